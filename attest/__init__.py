@@ -1,0 +1,1 @@
+"""bitexact attestations: canonical encoding, digests, keys and signed envelopes."""

@@ -1,0 +1,37 @@
+"""Crash-safe file writes: temp file in the same folder, fsync, then rename or link."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = True) -> None:
+    """Write ``data`` to ``path`` so readers see either nothing or all of it.
+
+    The bytes go to a temp file beside ``path`` created with ``mode``, are
+    fsynced, then renamed over ``path`` (``overwrite=True``) or hard-linked to
+    it, which fails with FileExistsError if ``path`` exists (``overwrite=False``).
+    The folder is fsynced afterwards. Raises OSError on I/O failure.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+            os.unlink(tmp)
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,59 @@
+"""Canonical msgpack (docs/attestation.md, "Canonical encoding").
+
+Rules: maps have str keys sorted by their UTF-8 bytes; integers use msgpack's
+shortest form (positive fixint, uint8/16/32/64, negative fixint, int8/16/32/64,
+as msgpack-python's packer chooses); floats are always float64; str is UTF-8
+``str`` family, bytes are ``bin`` family; no ext types, no duplicate keys, no
+trailing bytes. A byte string is canonical iff re-encoding its decoded value
+gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import msgpack
+
+from node.errors import AttestationError
+
+MAX_BYTES = 64 << 20
+
+
+def _sorted(obj):
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise TypeError("canonical maps need str keys")
+        return {k: _sorted(obj[k]) for k in sorted(obj, key=lambda k: k.encode("utf-8"))}
+    if isinstance(obj, (list, tuple)):
+        return [_sorted(v) for v in obj]
+    return obj
+
+
+def encode(obj) -> bytes:
+    """Canonical msgpack bytes of ``obj`` (dict/list/str/bytes/int/float/bool/None)."""
+    return msgpack.packb(_sorted(obj), use_bin_type=True, use_single_float=False, strict_types=False)
+
+
+def _no_dup_pairs(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"duplicate key {k!r}")
+        d[k] = v
+    return d
+
+
+def decode(data: bytes, what: str = "data"):
+    """Decode canonical msgpack; raises :class:`AttestationError` on malformed,
+    truncated, trailing or non-canonical input."""
+    if len(data) > MAX_BYTES:
+        raise AttestationError(f"{what} is larger than {MAX_BYTES} bytes")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=_no_dup_pairs)
+    except Exception as e:
+        raise AttestationError(f"{what} is not valid msgpack ({type(e).__name__}: {e})") from None
+    try:
+        again = encode(obj)
+    except Exception:
+        again = None
+    if again != data:
+        raise AttestationError(f"{what} is not canonically encoded")
+    return obj

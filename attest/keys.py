@@ -1,0 +1,130 @@
+"""Ed25519 signing keys (RFC 8032) through ``cryptography``.
+
+Private keys are PKCS#8 PEM, optionally encrypted with a passphrase
+(``BestAvailableEncryption``); public keys are SubjectPublicKeyInfo PEM.
+The key id is the hex SHA-256 of the 32-byte raw public key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from node.errors import KeyError_
+
+from .atomic import atomic_write
+
+
+def key_id(public_raw: bytes) -> str:
+    """Hex SHA-256 of a raw 32-byte Ed25519 public key."""
+    return hashlib.sha256(public_raw).hexdigest()
+
+
+def public_raw(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
+    pub = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def pub_path_for(path: str) -> str:
+    """``KEY.pem`` -> ``KEY.pub.pem``."""
+    return (path[:-4] if path.endswith(".pem") else path) + ".pub.pem"
+
+
+def read_passphrase(path: str | None) -> bytes | None:
+    """Passphrase bytes from a file (one trailing newline stripped), or None."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise KeyError_(f"cannot read passphrase file {path}: {e.strerror}") from None
+    data = data[:-1] if data.endswith(b"\n") else data
+    if not data:
+        raise KeyError_(f"passphrase file {path} is empty")
+    return data
+
+
+def generate(path: str, passphrase: bytes | None = None) -> str:
+    """Create a new key at ``path`` (mode 0600) and its public key beside it.
+
+    Returns the key id. Raises :class:`KeyError_` if either file exists or
+    cannot be written; neither file is left half-written.
+    """
+    pub_path = pub_path_for(path)
+    for p in (path, pub_path):
+        if os.path.lexists(p):
+            raise KeyError_(f"refusing to overwrite existing file {p}")
+    key = Ed25519PrivateKey.generate()
+    enc = (serialization.BestAvailableEncryption(passphrase) if passphrase
+           else serialization.NoEncryption())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, enc)
+    pub = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                        serialization.PublicFormat.SubjectPublicKeyInfo)
+    try:
+        atomic_write(path, pem, mode=0o600, overwrite=False)
+        try:
+            atomic_write(pub_path, pub, mode=0o644, overwrite=False)
+        except BaseException:
+            os.unlink(path)
+            raise
+    except FileExistsError as e:
+        raise KeyError_(f"refusing to overwrite existing file {e.filename or path}") from None
+    except OSError as e:
+        raise KeyError_(f"cannot write key {path}: {e.strerror}") from None
+    return key_id(public_raw(key))
+
+
+def load_private(path: str, passphrase: bytes | None = None, require_private_mode: bool = False) -> Ed25519PrivateKey:
+    """Load an Ed25519 private key.
+
+    Raises :class:`KeyError_` when the file is unreadable, not an Ed25519 PKCS#8
+    key, encrypted and the passphrase is missing or wrong, or (with
+    ``require_private_mode``) readable by group or others.
+    """
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            data = f.read(1 << 16)
+    except OSError as e:
+        raise KeyError_(f"cannot read key {path}: {e.strerror}") from None
+    if require_private_mode and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise KeyError_(f"key {path} is readable by group or others (chmod 600 it)")
+    try:
+        key = serialization.load_pem_private_key(data, password=passphrase)
+    except TypeError:
+        if passphrase is None:
+            raise KeyError_(f"key {path} is encrypted: give its passphrase") from None
+        raise KeyError_(f"key {path} is not encrypted, but a passphrase was given") from None
+    except ValueError:
+        if passphrase is not None:
+            raise KeyError_(f"cannot decrypt key {path}: wrong passphrase or not a PEM private key") from None
+        raise KeyError_(f"{path} is not a PEM private key") from None
+    except Exception as e:  # unsupported algorithm and similar
+        raise KeyError_(f"cannot load key {path}: {e}") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise KeyError_(f"key {path} is not an Ed25519 key")
+    return key
+
+
+def load_public(path: str) -> bytes:
+    """Raw 32-byte public key from a PEM SubjectPublicKeyInfo file.
+
+    Raises :class:`KeyError_` when unreadable or not Ed25519.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 16)
+    except OSError as e:
+        raise KeyError_(f"cannot read public key {path}: {e.strerror}") from None
+    try:
+        pub = serialization.load_pem_public_key(data)
+    except Exception:
+        raise KeyError_(f"{path} is not a PEM public key") from None
+    if not isinstance(pub, Ed25519PublicKey):
+        raise KeyError_(f"public key {path} is not an Ed25519 key")
+    return public_raw(pub)

@@ -1,0 +1,71 @@
+"""Field-by-field shape of the attestation payload (docs/attestation.md, "Payload")."""
+
+from __future__ import annotations
+
+from node.errors import AttestationError
+
+FORMAT_VERSION = 1
+CONTRACT_VERSIONS = (1,)
+
+HEX64 = "hex64"
+B32 = "bin32"
+_SPEC = {
+    "format_version": int,
+    "contract_version": int,
+    "engine": {"name": str, "version": str, "kernels_sha256": HEX64, "reference_sha256": HEX64},
+    "backend": str,
+    "device": dict,
+    "model": {"sha256": HEX64, "architecture": str, "quant_types": [str], "name": str},
+    "request": {"mode": str, "prompt": str, "messages": (list, type(None)), "prompt_tokens": [int],
+                "max_tokens": int, "n_ctx": int, "temperature": float, "top_k": int, "top_p": float,
+                "seed": int, "stop": [str]},
+    "output": {"tokens": [int], "text": str, "finish_reason": str, "step_chain": [B32], "digest": B32},
+    "timestamp": str,
+    "signer": {"public_key": B32, "key_id": HEX64},
+}
+
+
+def _check(value, spec, path):
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise AttestationError(f"field {path or 'payload'} must be a map")
+        if set(value) != set(spec):
+            extra, missing = sorted(set(value) - set(spec)), sorted(set(spec) - set(value))
+            raise AttestationError(f"field {path or 'payload'}: missing {missing} unexpected {extra}")
+        for k, s in spec.items():
+            _check(value[k], s, f"{path}.{k}" if path else k)
+    elif isinstance(spec, list):
+        if not isinstance(value, list):
+            raise AttestationError(f"field {path} must be an array")
+        for i, v in enumerate(value):
+            _check(v, spec[0], f"{path}[{i}]")
+    elif spec == HEX64:
+        if not (isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)):
+            raise AttestationError(f"field {path} must be 64 lowercase hex digits")
+    elif spec == B32:
+        if not (isinstance(value, bytes) and len(value) == 32):
+            raise AttestationError(f"field {path} must be 32 bytes")
+    elif spec is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise AttestationError(f"field {path} must be an integer")
+    elif not isinstance(value, spec):
+        raise AttestationError(f"field {path} has the wrong type")
+
+
+def check_payload(p) -> None:
+    """Raise :class:`AttestationError` unless ``p`` has exactly the documented
+    fields, types and known versions."""
+    _check(p, _SPEC, "")
+    if p["format_version"] != FORMAT_VERSION:
+        raise AttestationError(f"unknown payload format version {p['format_version']}")
+    if p["contract_version"] not in CONTRACT_VERSIONS:
+        raise AttestationError(f"unknown determinism-contract version {p['contract_version']}")
+    r, o = p["request"], p["output"]
+    if r["mode"] not in ("prompt", "chat"):
+        raise AttestationError(f"unknown request mode {r['mode']!r}")
+    if o["finish_reason"] not in ("stop", "length"):
+        raise AttestationError(f"unknown finish reason {o['finish_reason']!r}")
+    if len(o["step_chain"]) != len(o["tokens"]):
+        raise AttestationError("output.step_chain and output.tokens differ in length")
+    if p["backend"] not in ("cpu", "cuda"):
+        raise AttestationError(f"unknown backend {p['backend']!r}")

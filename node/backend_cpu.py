@@ -1,0 +1,102 @@
+"""CPU backend: runs the forward pass with the numpy twins in node/reference.py.
+
+Holds the weights decoded for :func:`node.reference.matmul_q` /
+:func:`node.reference.matmul_f` and an fp32 KV cache per sequence
+(``[n_layer, Hkv, capacity, hd]`` for K and for V).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference as ref
+from .gguf_model import FLOAT_TYPES, Model, decode_blocks, dequantize_rows, float_values
+
+F32 = np.float32
+
+
+class CpuBackend:
+    name = "cpu"
+    xp = np
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.hp = model.hparams
+        self._weights: dict[str, object] = {}
+        self._kv: dict[int, list[np.ndarray]] = {}
+
+    # ---- weights -----------------------------------------------------------
+    def _weight(self, name: str):
+        w = self._weights.get(name)
+        if w is None:
+            t = self.model.tensors[name]
+            if t.qtype in FLOAT_TYPES:
+                w = float_values(t)
+            else:
+                w = ref.RefQuantWeight(*decode_blocks(t.qtype, t.raw))
+            self._weights[name] = w
+        return w
+
+    def vector(self, name: str) -> np.ndarray:
+        """fp32 ``[K]`` values of a 1-D float tensor (norm weights, RoPE factors)."""
+        return float_values(self.model.tensors[name])[0]
+
+    # ---- ops ---------------------------------------------------------------
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        return dequantize_rows(self.model.tensors["token_embd.weight"], tokens)
+
+    def rms_norm(self, x, name):
+        return ref.rms_norm(x, self.vector(name), self.hp.rms_eps)
+
+    def quantize(self, x):
+        return ref.quantize_q8(x)
+
+    def linear(self, x, xq, name):
+        """``x @ W.T`` for tensor ``name``; ``xq`` is ``quantize(x)`` (computed once per input)."""
+        w = self._weight(name)
+        if isinstance(w, np.ndarray):
+            return ref.matmul_f(x, w)
+        return ref.matmul_q(xq, w)
+
+    def rope(self, x, cos, sin):
+        return ref.rope(x, cos, sin)
+
+    def silu_gate(self, g, u):
+        return ref.silu_gate(g, u)
+
+    def residual_add(self, x, y):
+        return ref.residual_add(x, y)
+
+    def to_host(self, x) -> np.ndarray:
+        return x
+
+    def from_host(self, x):
+        return x
+
+    # ---- KV cache ----------------------------------------------------------
+    def kv_alloc(self, seq: int) -> None:
+        hp = self.hp
+        shape = (hp.n_layer, hp.n_head_kv, 64, hp.head_dim)
+        self._kv[seq] = [np.zeros(shape, F32), np.zeros(shape, F32)]
+
+    def kv_free(self, seq: int) -> None:
+        self._kv.pop(seq, None)
+
+    def kv_copy_prefix(self, src: int, dst: int, n: int) -> None:
+        k, v = self._kv[src]
+        self._kv[dst] = [k[:, :, :max(n, 64)].copy(), v[:, :, :max(n, 64)].copy()]
+
+    def kv_write_attend(self, seq, layer, pos, q, k, v):
+        """Store k, v (fp32 ``[T, Hkv, hd]``) at positions ``pos`` of ``seq``, then
+        return attention of q (fp32 ``[T, H, hd]``) over the sequence's cache."""
+        cache = self._kv[seq]
+        need = int(pos.max()) + 1
+        if cache[0].shape[2] < need:
+            cap = max(need, 2 * cache[0].shape[2])
+            for i in range(2):
+                grown = np.zeros(cache[i].shape[:2] + (cap,) + cache[i].shape[3:], F32)
+                grown[:, :, :cache[i].shape[2]] = cache[i]
+                cache[i] = grown
+        cache[0][layer][:, pos] = k.transpose(1, 0, 2)
+        cache[1][layer][:, pos] = v.transpose(1, 0, 2)
+        return ref.attention(q, cache[0][layer], cache[1][layer], pos)

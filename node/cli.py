@@ -1,0 +1,211 @@
+"""``bitexact`` command line: keygen, run, verify, inspect.
+
+Exit codes: 0 success (verify: OK); 1 verify: FAIL, the output did not
+reproduce; 2 the input could not be processed (one ``bitexact: error:`` line);
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import BitexactError, RequestError
+
+EXIT_OK, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        self.exit(EXIT_INPUT, f"bitexact: error: {message} (see bitexact {self.prog.split()[-1]} --help)\n")
+
+
+def _passphrase(args) -> bytes | None:
+    from attest.keys import read_passphrase
+    if getattr(args, "passphrase_file", None):
+        return read_passphrase(args.passphrase_file)
+    env = os.environ.get("BITEXACT_KEY_PASSPHRASE")
+    return env.encode() if env else None
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` when CuPy sees a GPU, else ``cpu``."""
+    if name != "auto":
+        return name
+    try:
+        import cupy
+        return "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
+    except Exception:
+        return "cpu"
+
+
+def cmd_keygen(args) -> int:
+    from attest import keys
+    kid = keys.generate(args.out, _passphrase(args))
+    print(f"wrote {args.out} (mode 0600) and {keys.pub_path_for(args.out)}; key id {kid}")
+    return EXIT_OK
+
+
+def _float(name):
+    def conv(s):
+        try:
+            return float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
+    return conv
+
+
+def cmd_run(args) -> int:
+    from attest import keys
+    from attest.atomic import atomic_write
+    from attest.envelope import seal
+
+    from .engine import Engine
+    from .generate import Request, build_request, generate
+    from .gguf_model import default_model_path, load_model
+    from .provenance import build_payload
+    from .sampler import SamplingParams
+    from .tokenizer import Tokenizer
+
+    key = keys.load_private(args.key, _passphrase(args))
+    if args.chat is not None:
+        try:
+            messages = json.loads(args.chat) if args.chat.lstrip().startswith("[") else None
+        except json.JSONDecodeError as e:
+            raise RequestError(f"--chat is not valid JSON: {e.msg}") from None
+        messages = messages or [{"role": "user", "content": args.chat}]
+        if len(messages) == 1 and not messages[0].get("content", "x").strip():
+            raise RequestError("the chat message is empty")
+    else:
+        messages = None
+    model = load_model(args.model or default_model_path())
+    tok = Tokenizer(model)
+    engine = Engine(model, device=resolve_device(args.device), n_ctx=args.ctx)
+    req = Request(prompt=args.prompt, messages=messages, max_tokens=args.max_tokens,
+                  params=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed), stop=args.stop or [])
+    record = build_request(req, tok, engine.n_ctx)
+    res = generate(engine, tok, record)
+    payload = build_payload(res, engine, keys.public_raw(key))
+    blob = seal(payload, key)
+    path = args.attestation or f"{res.digest.hex()}.bxa"
+    try:
+        atomic_write(path, blob)
+    except OSError as e:
+        raise BitexactError(f"cannot write attestation {path}: {e.strerror}") from None
+    if args.json:
+        print(json.dumps({"text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason,
+                          "output_digest": res.digest.hex(), "attestation": path,
+                          "key_id": payload["signer"]["key_id"], "backend": engine.device}))
+    else:
+        print(res.text)
+        print(f"attestation: {path} (output digest {res.digest.hex()}, {engine.device})", file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from attest.keys import load_public
+    from verify.verifier import verify_file
+
+    trusted = load_public(args.trusted_key) if args.trusted_key else None
+    rep = verify_file(args.file, args.model, trusted, device=resolve_device(args.device))
+    if args.json:
+        print(json.dumps({"result": "OK" if rep.ok else "FAIL", "message": rep.message,
+                          "first_divergent_step": rep.first_divergent_step, "expected_token": rep.expected_token,
+                          "got_token": rep.got_token, "key_id": rep.payload["signer"]["key_id"]}))
+    else:
+        print(rep.message)
+    return EXIT_OK if rep.ok else EXIT_FAIL
+
+
+def _plain(v):
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def cmd_inspect(args) -> int:
+    from verify.verifier import read_attestation
+
+    p = _plain(read_attestation(args.file))
+    if args.json:
+        print(json.dumps(p, indent=2, ensure_ascii=False))
+        return EXIT_OK
+    print("signature: valid (Ed25519, key id %s)" % p["signer"]["key_id"])
+
+    def show(prefix, v):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                show(f"{prefix}.{k}" if prefix else k, x)
+        elif isinstance(v, list) and v and isinstance(v[0], (dict, list)):
+            for i, x in enumerate(v):
+                show(f"{prefix}[{i}]", x)
+        else:
+            shown = repr(v) if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+            print(f"{prefix}: {shown}")
+    show("", p)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="bitexact", description="Bit-exact, verifiable LLM inference node.")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    k = sub.add_parser("keygen", help="create an Ed25519 signing key")
+    k.add_argument("--out", required=True, metavar="KEY.pem")
+    k.add_argument("--passphrase-file", metavar="F")
+    k.set_defaults(fn=cmd_keygen)
+
+    r = sub.add_parser("run", help="run one request and write its signed attestation")
+    r.add_argument("--key", required=True, metavar="KEY.pem")
+    r.add_argument("--passphrase-file", metavar="F", help="or set BITEXACT_KEY_PASSPHRASE")
+    g = r.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", metavar="TEXT")
+    g.add_argument("--chat", metavar="TEXT", help="a user message, or a JSON list of {role, content}")
+    r.add_argument("--model", metavar="PATH.gguf")
+    r.add_argument("--max-tokens", type=int, default=64, metavar="N")
+    r.add_argument("--temperature", type=_float("--temperature"), default=0.0, metavar="T")
+    r.add_argument("--top-k", type=int, default=0, metavar="K")
+    r.add_argument("--top-p", type=_float("--top-p"), default=1.0, metavar="P")
+    r.add_argument("--seed", type=int, default=0, metavar="S")
+    r.add_argument("--stop", action="append", metavar="STR")
+    r.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, at most 8192)")
+    r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    r.add_argument("--attestation", metavar="OUT")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(fn=cmd_run)
+
+    v = sub.add_parser("verify", help="re-execute an attestation and compare byte for byte")
+    v.add_argument("file", metavar="FILE.bxa")
+    v.add_argument("--model", metavar="PATH")
+    v.add_argument("--trusted-key", metavar="PUB.pem")
+    v.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=cmd_verify)
+
+    i = sub.add_parser("inspect", help="show every field of an attestation")
+    i.add_argument("file", metavar="FILE.bxa")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except BitexactError as e:
+        print(f"bitexact: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("bitexact: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Batched llama forward pass over many sequences at once.
+
+One step takes any mix of chunks: a new prompt's prefill, a later chunk of a
+chunked prefill, or one decode token, for any number of sequences at any
+positions. Every op is per token or per sequence (attention reads only the
+token's own sequence), and every reduction follows docs/determinism.md, so a
+sequence's logits never depend on what else is in the step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+from .errors import NumericFault, RequestError
+from .gguf_model import Model
+from .rope_table import rope_table
+
+
+class Engine:
+    """Forward pass of a loaded :class:`~node.gguf_model.Model` on one backend.
+
+    ``device`` is ``"cpu"`` (numpy reference) or ``"cuda"`` (CuPy kernels).
+    ``n_ctx`` is the context length in tokens (default: the model's training
+    context, at most 8192).
+    """
+
+    def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None):
+        self.model = model
+        self.hp = hp = model.hparams
+        self.n_ctx = int(n_ctx or min(hp.n_ctx_train, 8192))
+        if device == "cpu":
+            from .backend_cpu import CpuBackend
+            self.backend = CpuBackend(model)
+        elif device == "cuda":
+            from .backend_cuda import CudaBackend
+            self.backend = CudaBackend(model)
+        else:
+            raise RequestError(f"unknown device {device!r} (expected cpu or cuda)")
+        self.device = device
+        ff = None
+        if "rope_freqs.weight" in model.tensors:
+            ff = self.backend.vector("rope_freqs.weight").astype(np.float64)
+        cos, sin = rope_table(hp.head_dim, self.n_ctx, hp.rope_base, hp.rope_freq_scale, ff)
+        self._cos = self.backend.from_host(cos)
+        self._sin = self.backend.from_host(sin)
+        self._len: dict[int, int] = {}
+        self._ids = itertools.count(1)
+
+    # ---- sequences ---------------------------------------------------------
+    def new_sequence(self) -> int:
+        """Allocate an empty sequence; returns its id."""
+        seq = next(self._ids)
+        self.backend.kv_alloc(seq)
+        self._len[seq] = 0
+        return seq
+
+    def fork(self, src: int, n_tokens: int) -> int:
+        """New sequence whose KV cache is a copy of the first ``n_tokens`` of ``src``."""
+        if not 0 <= n_tokens <= self._len[src]:
+            raise RequestError(f"cannot reuse {n_tokens} tokens of a {self._len[src]}-token sequence")
+        seq = next(self._ids)
+        self.backend.kv_copy_prefix(src, seq, n_tokens)
+        self._len[seq] = n_tokens
+        return seq
+
+    def release(self, seq: int) -> None:
+        """Free a sequence's KV cache."""
+        self.backend.kv_free(seq)
+        self._len.pop(seq, None)
+
+    def length(self, seq: int) -> int:
+        return self._len[seq]
+
+    # ---- forward -----------------------------------------------------------
+    def forward(self, chunks: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False) -> list[np.ndarray]:
+        """Append each chunk's tokens to its sequence and run one step.
+
+        ``chunks``: ``(seq, tokens)`` pairs, at most one per sequence; each
+        chunk continues its sequence at position ``length(seq)``.
+        Returns, per chunk, fp32 logits ``[n_tokens, n_vocab]`` when
+        ``all_logits`` else ``[n_vocab]`` for the chunk's last token.
+        Raises :class:`RequestError` past the context length and
+        :class:`NumericFault` if a NaN appears.
+        """
+        hp, be = self.hp, self.backend
+        seqs = [s for s, _ in chunks]
+        if len(set(seqs)) != len(seqs):
+            raise RequestError("a step may hold at most one chunk per sequence")
+        toks, pos, spans = [], [], []
+        for seq, tk in chunks:
+            n0 = self._len[seq]
+            if not tk:
+                raise RequestError("empty chunk")
+            if n0 + len(tk) > self.n_ctx:
+                raise RequestError(f"sequence would reach {n0 + len(tk)} tokens, past the context of {self.n_ctx}")
+            spans.append((len(toks), len(toks) + len(tk)))
+            toks.extend(int(t) for t in tk)
+            pos.extend(range(n0, n0 + len(tk)))
+        tok_arr = np.asarray(toks, np.int64)
+        if tok_arr.min() < 0 or tok_arr.max() >= hp.n_vocab:
+            raise RequestError(f"token id out of range [0, {hp.n_vocab})")
+        pos_arr = np.asarray(pos, np.int64)
+        m = len(toks)
+        cos, sin = self._cos[be.from_host(pos_arr)], self._sin[be.from_host(pos_arr)]
+        x = be.embed(tok_arr)
+        for layer in range(hp.n_layer):
+            p = f"blk.{layer}."
+            h = be.rms_norm(x, p + "attn_norm.weight")
+            hq = be.quantize(h)
+            q = be.linear(h, hq, p + "attn_q.weight").reshape(m, hp.n_head, hp.head_dim)
+            k = be.linear(h, hq, p + "attn_k.weight").reshape(m, hp.n_head_kv, hp.head_dim)
+            v = be.linear(h, hq, p + "attn_v.weight").reshape(m, hp.n_head_kv, hp.head_dim)
+            q = be.rope(q, cos, sin)
+            k = be.rope(k, cos, sin)
+            att = be.xp.empty_like(q)
+            for (seq, _), (a, b) in zip(chunks, spans):
+                att[a:b] = be.kv_write_attend(seq, layer, pos_arr[a:b], q[a:b], k[a:b], v[a:b])
+            att = att.reshape(m, hp.n_embd)
+            x = be.residual_add(x, be.linear(att, be.quantize(att), p + "attn_output.weight"))
+            h = be.rms_norm(x, p + "ffn_norm.weight")
+            hq = be.quantize(h)
+            g = be.linear(h, hq, p + "ffn_gate.weight")
+            u = be.linear(h, hq, p + "ffn_up.weight")
+            a_ = be.silu_gate(g, u)
+            x = be.residual_add(x, be.linear(a_, be.quantize(a_), p + "ffn_down.weight"))
+        for (seq, tk) in chunks:
+            self._len[seq] += len(tk)
+        rows = np.arange(m) if all_logits else np.asarray([b - 1 for _, b in spans])
+        xs = x[be.from_host(rows)]
+        h = be.rms_norm(xs, "output_norm.weight")
+        logits = be.to_host(be.linear(h, be.quantize(h), self.model.output.name))
+        if np.isnan(logits).any():
+            raise NumericFault("NaN in logits: the forward pass faulted")
+        if all_logits:
+            return [logits[a:b] for a, b in spans]
+        return [logits[i] for i in range(len(chunks))]

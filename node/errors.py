@@ -1,0 +1,31 @@
+"""Error types shared by the node, the attestation code and the verifier.
+
+Every error the user can cause is a :class:`BitexactError`; the CLI prints its
+message as one line and exits with its ``exit_code``.
+"""
+
+
+class BitexactError(Exception):
+    """Input that cannot be processed (exit code 2)."""
+
+    exit_code = 2
+
+
+class ModelError(BitexactError):
+    """A GGUF file that is missing, unreadable or uses an unsupported feature."""
+
+
+class RequestError(BitexactError):
+    """A request parameter outside its documented range."""
+
+
+class AttestationError(BitexactError):
+    """An attestation file that is truncated, corrupt, tampered or untrusted."""
+
+
+class KeyError_(BitexactError):
+    """A signing key that is missing, unreadable or locked with another passphrase."""
+
+
+class NumericFault(BitexactError):
+    """A NaN appeared in the forward pass; NaN bit patterns differ across devices."""

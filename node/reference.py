@@ -1,0 +1,191 @@
+"""numpy reference engine: the executable form of docs/determinism.md.
+
+Each function here is the twin of the CUDA kernel with the same name in
+cuda/*.cu and performs the same fp32 operations in the same order. numpy's
+elementwise ufuncs are single correctly rounded IEEE-754 operations (no
+contraction into FMA); reductions never use ``np.sum``/BLAS on non-integer data,
+only :func:`warp_sum`. Integer-valued products use sgemm, which is exact because
+every partial sum stays below 2**24 (see "Quantized matrix products").
+
+Shapes: ``M`` tokens, ``K`` input features, ``N`` output features, ``H`` query
+heads, ``Hkv`` KV heads, ``hd`` head dimension, ``nb = K/32`` blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .fmath import exp32
+from .gguf_model import QK
+
+F32 = np.float32
+WARP = 32          # lanes in the fixed reduction tree
+SPLIT_KV = 256     # key positions per attention split (fixed, never a split count)
+
+
+def warp_sum(t: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Contract sum of fp32 terms along ``axis`` (docs/determinism.md, "warp_sum").
+
+    With ``n`` terms and ``g = max(1, ceil(n/32))``, lane ``l`` adds terms
+    ``l*g .. l*g+g-1`` (those below ``n``) one by one onto +0.0; then the 32 lane
+    values are added pairwise, neighbours first (xor-butterfly with offsets
+    1, 2, 4, 8, 16). Returns fp32 with ``axis`` removed.
+    """
+    t = np.moveaxis(np.asarray(t, dtype=F32), axis, 0)
+    n = t.shape[0]
+    g = max(1, -(-n // WARP))
+    if n < WARP * g:
+        t = np.concatenate([t, np.zeros((WARP * g - n,) + t.shape[1:], F32)], axis=0)
+    t = t.reshape((WARP, g) + t.shape[1:])
+    acc = np.zeros((WARP,) + t.shape[2:], F32)
+    for j in range(g):
+        acc = acc + t[:, j]
+    while acc.shape[0] > 1:
+        acc = acc[0::2] + acc[1::2]
+    return acc[0]
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm (Zhang & Sennrich 2019): ``(x * (1 / sqrt(warp_sum(x*x)/K + eps))) * w``.
+
+    x fp32 ``[M, K]``, w fp32 ``[K]``; returns fp32 ``[M, K]``.
+    """
+    k = x.shape[-1]
+    ss = warp_sum(x * x, axis=-1)
+    inv = F32(1.0) / np.sqrt(ss / F32(k) + F32(eps))
+    return (x * inv[:, None]) * w
+
+
+def quantize_q8(x: np.ndarray):
+    """Quantize activations per 32-element block to int8 (ggml's q8_1 scheme).
+
+    x fp32 ``[M, K]``. Per block: ``amax = max|x|``, ``d = amax / 127``,
+    ``q = clip(rint(x / d), -127, 127)`` (0 when ``d == 0``), ``a = sum(q)``.
+    Returns ``(q int8 [M, nb, 32], d fp32 [M, nb], a int32 [M, nb])``.
+    """
+    m, k = x.shape
+    xb = x.reshape(m, k // QK, QK)
+    d = np.max(np.abs(xb), axis=-1) / F32(127.0)
+    safe = np.where(d > 0, d, F32(1.0))
+    q = np.where(d[..., None] > 0, np.clip(np.rint(xb / safe[..., None]), -127, 127), 0).astype(np.int8)
+    return q, d.astype(F32), q.astype(np.int32).sum(axis=-1)
+
+
+def matmul_q(xq, w) -> np.ndarray:
+    """Quantized matrix product ``y[m, n] = sum_k x[m, k] * W[n, k]``.
+
+    ``xq`` is :func:`quantize_q8`'s output for x ``[M, K]``; ``w`` a
+    :class:`RefQuantWeight` for W ``[N, K]``. Per block ``b``:
+    ``I = sum(code * q)`` (exact integer), ``r = (s*d) * I`` and, for asymmetric
+    types, ``r = r + (o*d) * a``; then ``y = warp_sum(r over b)``.
+    Returns fp32 ``[M, N]``.
+    """
+    q, d, a = xq
+    qa = np.ascontiguousarray(q.transpose(1, 0, 2)).astype(F32)          # [nb, M, 32]
+    isum = np.matmul(qa, w.codes)                                        # [nb, M, N] exact
+    dT = d.T[:, :, None]                                                 # [nb, M, 1]
+    r = (w.scale[:, None, :] * dT) * isum
+    if w.offset is not None:
+        r = r + (w.offset[:, None, :] * dT) * a.T[:, :, None].astype(F32)
+    return warp_sum(r, axis=0)
+
+
+def matmul_f(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Float-weight matrix product ``y[m, n] = warp_sum_k(x[m, k] * W[n, k])``.
+
+    x fp32 ``[M, K]``, w fp32 ``[N, K]`` (exact values of F32/F16/BF16 weights).
+    Returns fp32 ``[M, N]``. Processed in row chunks to bound memory.
+    """
+    m, k = x.shape
+    n = w.shape[0]
+    out = np.empty((m, n), F32)
+    step = max(1, (1 << 24) // max(1, m * k))
+    for i in range(0, n, step):
+        out[:, i:i + step] = warp_sum(x[:, None, :] * w[None, i:i + step, :], axis=-1)
+    return out
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """RoPE (Su et al. 2021, arXiv:2104.09864) on adjacent pairs (ggml ROPE_TYPE_NORM).
+
+    x fp32 ``[M, H, hd]``; cos, sin fp32 ``[M, hd/2]`` rows of the RoPE table at
+    each token's position. ``out[2i] = x[2i]*c - x[2i+1]*s``,
+    ``out[2i+1] = x[2i]*s + x[2i+1]*c``. Returns fp32 ``[M, H, hd]``.
+    """
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = np.empty_like(x)
+    out[..., 0::2] = x0 * c - x1 * s
+    out[..., 1::2] = x0 * s + x1 * c
+    return out
+
+
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, qpos: np.ndarray) -> np.ndarray:
+    """Causal GQA attention with fixed-size KV splits (docs/determinism.md, "Attention").
+
+    q fp32 ``[T, H, hd]`` (after RoPE) for tokens of one sequence at positions
+    ``qpos`` int ``[T]``; k_cache, v_cache fp32 ``[Hkv, P, hd]`` holding that
+    sequence's keys/values for positions ``0 .. max(qpos)`` at least.
+    Query head ``h`` reads KV head ``h // (H / Hkv)``. Returns fp32 ``[T, H, hd]``.
+    """
+    t_n, h_n, hd = q.shape
+    hkv = k_cache.shape[0]
+    grp = h_n // hkv
+    scale = F32(1.0) / np.sqrt(F32(hd))
+    out = np.empty_like(q)
+    p_used = int(qpos.max()) + 1
+    n_split = -(-p_used // SPLIT_KV)
+    width = n_split * SPLIT_KV
+    kk = np.zeros((hkv, width, hd), F32)
+    vv = np.zeros((hkv, width, hd), F32)
+    kk[:, :p_used] = k_cache[:, :p_used]
+    vv[:, :p_used] = v_cache[:, :p_used]
+    kk = kk.reshape(hkv, n_split, SPLIT_KV, hd)
+    vv = vv.reshape(hkv, n_split, SPLIT_KV, hd)
+    keypos = np.arange(width).reshape(n_split, SPLIT_KV)
+    chunk = max(1, (1 << 22) // (h_n * width * hd))
+    for i in range(0, t_n, chunk):
+        qc = q[i:i + chunk].reshape(-1, hkv, grp, 1, 1, hd)             # [T,Hkv,G,1,1,hd]
+        pos = qpos[i:i + chunk]
+        s = warp_sum(qc * kk[None, :, None], axis=-1) * scale           # [T,Hkv,G,S,256]
+        valid = (keypos[None] <= pos[:, None, None])[:, None, None]     # [T,1,1,S,256]
+        m_c = np.max(np.where(valid, s, F32(-np.inf)), axis=-1)         # [T,Hkv,G,S]
+        live = valid.any(axis=-1)                                       # [T,1,1,S]
+        with np.errstate(invalid="ignore"):
+            e = np.where(valid, exp32(np.where(valid, s - m_c[..., None], F32(0.0))), F32(0.0))
+        l_c = warp_sum(e, axis=-1)                                      # [T,Hkv,G,S]
+        pv = np.where(valid[..., None], e[..., None] * vv[None, :, None], F32(0.0))
+        o_c = warp_sum(pv, axis=-2)                                     # [T,Hkv,G,S,hd]
+        m_all = np.max(np.where(live, m_c, F32(-np.inf)), axis=-1)      # [T,Hkv,G]
+        big_l = np.zeros(m_all.shape, F32)
+        big_o = np.zeros(m_all.shape + (hd,), F32)
+        for c in range(n_split):
+            lv = live[..., c]
+            w = exp32(np.where(lv, m_c[..., c] - m_all, F32(0.0)))
+            big_l = np.where(lv, big_l + l_c[..., c] * w, big_l)
+            big_o = np.where(lv[..., None], big_o + o_c[..., c, :] * w[..., None], big_o)
+        out[i:i + chunk] = (big_o / big_l[..., None]).reshape(-1, h_n, hd)
+    return out
+
+
+def silu_gate(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """SwiGLU gate (Shazeer 2020): ``(g / (1 + exp32(-g))) * u``, fp32, any shape."""
+    return (g / (F32(1.0) + exp32(-g))) * u
+
+
+def residual_add(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Residual connection ``x + y``, fp32, one rounding per element."""
+    return x + y
+
+
+class RefQuantWeight:
+    """A quantized matrix ``[N, K]`` laid out for :func:`matmul_q`.
+
+    ``codes`` fp32 ``[nb, 32, N]`` (integer values), ``scale`` fp32
+    ``[nb, N]``, ``offset`` fp32 ``[nb, N]`` or ``None``.
+    """
+
+    def __init__(self, codes, scale, offset):
+        self.codes = np.ascontiguousarray(codes.transpose(1, 2, 0)).astype(F32)
+        self.scale = np.ascontiguousarray(scale.T)
+        self.offset = None if offset is None else np.ascontiguousarray(offset.T)

@@ -1,0 +1,90 @@
+"""Token selection: greedy argmax or seeded sampling with a counter-based PRNG.
+
+The random draw for the token at absolute sequence position ``pos`` is
+Philox4x32-10 (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3",
+SC 2011) with key ``(seed mod 2**32, seed >> 32)`` and counter
+``(pos, 0, 0, 0)``. It depends on nothing else: not the batch slot, not the
+call order. docs/determinism.md, "Sampling", specifies every step below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import RequestError
+from .fmath import exp32
+
+F32 = np.float32
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57      # Philox4x32 multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85      # Weyl key increments
+_MASK = 0xFFFFFFFF
+
+
+def philox4x32(counter: tuple[int, int, int, int], key: tuple[int, int], rounds: int = 10) -> tuple[int, ...]:
+    """Philox4x32-``rounds`` block function; returns four uint32 words."""
+    c0, c1, c2, c3 = (int(v) & _MASK for v in counter)
+    k0, k1 = (int(v) & _MASK for v in key)
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
+        p0, p1 = _M0 * c0, _M1 * c2
+        c0, c1, c2, c3 = ((p1 >> 32) ^ c1 ^ k0, p1 & _MASK, (p0 >> 32) ^ c3 ^ k1, p0 & _MASK)
+    return c0, c1, c2, c3
+
+
+def uniform(seed: int, pos: int) -> F32:
+    """Uniform draw in the open interval (0, 1) for sequence position ``pos``.
+
+    ``u = (2 * (w0 >> 9) + 1) * 2**-24`` where ``w0`` is Philox's first output
+    word: an odd multiple of 2**-24, so ``2**-24 <= u <= 1 - 2**-24`` and both
+    factors are exact in fp32.
+    """
+    w0 = philox4x32((pos, 0, 0, 0), (seed & _MASK, (seed >> 32) & _MASK))[0]
+    return F32(2 * (w0 >> 9) + 1) * F32(2.0 ** -24)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding parameters; ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0          # 0 = no limit
+    top_p: float = 1.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise :class:`RequestError` for values outside their documented ranges."""
+        if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.seed < 2 ** 64:
+            raise RequestError(f"seed must be in [0, 2**64), got {self.seed}")
+
+
+def sample(logits: np.ndarray, params: SamplingParams, pos: int) -> int:
+    """Pick the next token id from fp32 logits ``[n_vocab]``.
+
+    Greedy: the lowest id among the maxima. Otherwise: ``z = logits / T``;
+    candidates ordered by (z descending, id ascending); the first ``top_k``
+    kept; ``e = exp32(z - z_max)``; ``c = sequential prefix sums of e``; keep
+    the shortest prefix with ``c_j >= top_p * c_last``; draw ``u`` for ``pos``;
+    return the first candidate with ``c_j > u * c_J`` (``c_J`` the kept total).
+    """
+    if params.temperature == 0.0:
+        return int(np.argmax(logits))
+    z = logits.astype(F32) / F32(params.temperature)
+    order = np.lexsort((np.arange(z.size), -z))
+    if params.top_k:
+        order = order[: params.top_k]
+    zs = z[order]
+    e = exp32(zs - zs[0])
+    c = np.add.accumulate(e, dtype=F32)
+    keep = int(np.searchsorted(c >= F32(params.top_p) * c[-1], True)) + 1
+    target = uniform(params.seed, pos) * c[keep - 1]
+    j = int(np.argmax(c[:keep] > target)) if (c[:keep] > target).any() else keep - 1
+    return int(order[j])

@@ -1,0 +1,78 @@
+"""The GGUF's own tokenizer through llama.cpp (llama-cpp-python, ``vocab_only``),
+byte-identical to llama.cpp, and chat templates rendered with jinja2 from the
+GGUF key ``tokenizer.chat_template``."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .errors import ModelError, RequestError
+from .gguf_model import Model
+
+
+class Tokenizer:
+    """Tokenize and detokenize with the vocabulary stored in ``model``'s GGUF file."""
+
+    def __init__(self, model: Model):
+        import llama_cpp
+
+        self.model = model
+        saved = os.dup(2)
+        try:  # llama.cpp prints loader chatter on fd 2 even with verbose=False
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            os.close(devnull)
+            self._llama = llama_cpp.Llama(model.path, vocab_only=True, verbose=False)
+        except Exception as e:
+            raise ModelError(f"cannot load tokenizer from {model.path}: {e}") from None
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        self.eos_id = int(self._llama.token_eos())
+        self.bos_id = int(self._llama.token_bos())
+
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Token ids for ``text`` (UTF-8), with BOS when the GGUF asks for it.
+
+        ``special=True`` parses control tokens such as ``<|im_start|>`` (used for
+        rendered chat templates); plain prompts keep them as text.
+        """
+        return list(self._llama.tokenize(text.encode("utf-8"), add_bos=True, special=special))
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """Raw bytes of the concatenated token pieces."""
+        return bytes(self._llama.detokenize(list(ids)))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """Render ``messages`` (``[{"role": str, "content": str}, ...]``) with the
+        model's chat template and ``add_generation_prompt=True``.
+
+        Raises :class:`RequestError` when the model has no template or the
+        template fails on these messages.
+        """
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        tpl = self.model.metadata.get("tokenizer.chat_template")
+        if not tpl:
+            raise RequestError("this model has no tokenizer.chat_template; use --prompt")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(msg):
+            raise jinja2.TemplateError(msg)
+
+        env.globals["raise_exception"] = raise_exception
+        piece = self._llama.detokenize
+        try:
+            return env.from_string(tpl).render(
+                messages=messages, add_generation_prompt=True,
+                bos_token=piece([self.bos_id]).decode("utf-8", "replace"),
+                eos_token=piece([self.eos_id]).decode("utf-8", "replace"))
+        except jinja2.TemplateError as e:
+            raise RequestError(f"chat template failed: {e}") from None

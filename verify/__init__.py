@@ -1,0 +1,1 @@
+"""Re-execution verifier for bitexact attestations."""

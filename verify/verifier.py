@@ -1,0 +1,73 @@
+"""Verify an attestation by re-executing its request (docs/attestation.md, "Verification").
+
+Order: signature over the stored bytes (and the trusted key), payload schema,
+model digest, re-tokenization of the prompt, then re-execution and a
+step-by-step comparison of the digest chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attest.envelope import open_envelope
+from node.engine import Engine
+from node.errors import AttestationError, ModelError
+from node.generate import Request, build_request, generate, params_of
+from node.gguf_model import default_model_path, load_model
+from node.tokenizer import Tokenizer
+
+
+@dataclass
+class Report:
+    ok: bool
+    payload: dict
+    message: str
+    first_divergent_step: int | None = None
+    expected_token: int | None = None
+    got_token: int | None = None
+
+
+def read_attestation(path: str, trusted_key: bytes | None = None) -> dict:
+    """Read and check ``path``; returns the payload. Raises :class:`AttestationError`."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read((64 << 20) + 1)
+    except OSError as e:
+        raise AttestationError(f"cannot read attestation {path}: {e.strerror}") from None
+    return open_envelope(data, trusted_key)
+
+
+def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | None = None,
+                device: str = "cpu") -> Report:
+    """Verify ``path``. Returns a :class:`Report` (``ok`` False means the output
+    did not reproduce); raises AttestationError/ModelError when the file cannot
+    be checked at all."""
+    payload = read_attestation(path, trusted_key)
+    model = load_model(model_path or default_model_path())
+    want = payload["model"]["sha256"]
+    if model.sha256 != want:
+        raise ModelError(f"model digest differs: the attestation names {want}, {model.path} is {model.sha256}")
+    rec = payload["request"]
+    tok = Tokenizer(model)
+    req = Request(prompt=rec["prompt"] if rec["mode"] == "prompt" else None, messages=rec["messages"],
+                  max_tokens=rec["max_tokens"], params=params_of(rec), stop=list(rec["stop"]))
+    rebuilt = build_request(req, tok, rec["n_ctx"])
+    if rebuilt != rec:
+        diff = sorted(k for k in rec if rebuilt.get(k) != rec[k])
+        return Report(False, payload, f"FAIL: the request does not re-encode to the attested record (fields {diff})")
+    engine = Engine(model, device=device, n_ctx=rec["n_ctx"])
+    res = generate(engine, tok, rec)
+    out = payload["output"]
+    want_chain, got_chain = out["step_chain"], res.step_chain
+    for i in range(max(len(want_chain), len(got_chain))):
+        w = want_chain[i] if i < len(want_chain) else None
+        g = got_chain[i] if i < len(got_chain) else None
+        if w != g:
+            et = out["tokens"][i] if i < len(out["tokens"]) else None
+            gt = res.tokens[i] if i < len(res.tokens) else None
+            return Report(False, payload, f"FAIL: first divergent step {i}: expected token {et}, got token {gt}",
+                          i, et, gt)
+    if (res.digest != out["digest"] or res.text != out["text"] or res.finish_reason != out["finish_reason"]
+            or res.tokens != out["tokens"]):
+        return Report(False, payload, "FAIL: every step matched but the output digest, text or finish reason differs")
+    return Report(True, payload, f"OK: {len(res.tokens)} tokens reproduced, output digest {res.digest.hex()}")
