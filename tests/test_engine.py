@@ -1,0 +1,130 @@
+"""A sequence's logits are byte-identical however it is batched, chunked or cached."""
+
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from node.engine import Engine
+from node.gguf_model import load_model
+from node.synth import write_model
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                          HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("m") / "tiny-q4_1.gguf"
+    return load_model(write_model(str(path), "tiny", "Q4_1", seed=3))
+
+
+def solo_logits(model, tokens):
+    eng = Engine(model)
+    seq = eng.new_sequence()
+    return eng.forward([(seq, tokens)], all_logits=True)[0]
+
+
+def h(a):
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def split_points(draw_sizes, n):
+    out, a = [], 0
+    for s in draw_sizes:
+        if a >= n:
+            break
+        out.append((a, min(n, a + s)))
+        a += s
+    if a < n:
+        out.append((a, n))
+    return out
+
+
+@SETTINGS
+@given(data=st.data())
+def test_batched_chunked_any_slot(tiny, data):
+    """Target prefilled in random chunks, each step batched with 0-16 other
+    sequences at random positions and slots: logits equal the solo run's bytes."""
+    n = data.draw(st.integers(1, 40), label="target length")
+    toks = data.draw(st.lists(st.integers(0, 255), min_size=n, max_size=n), label="tokens")
+    want = solo_logits(tiny, toks)
+    eng = Engine(tiny)
+    others = []
+    for _ in range(data.draw(st.integers(1, 16), label="n_others")):
+        s = eng.new_sequence()
+        pre = data.draw(st.integers(0, 30))
+        if pre:
+            eng.forward([(s, data.draw(st.lists(st.integers(0, 255), min_size=pre, max_size=pre)))])
+        others.append(s)
+    target = eng.new_sequence()
+    sizes = data.draw(st.lists(st.integers(1, 12), min_size=1, max_size=40), label="chunks")
+    got = []
+    for a, b in split_points(sizes, n):
+        step = [(s, data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=5)))
+                for s in others if data.draw(st.booleans())]
+        slot = data.draw(st.integers(0, len(step)), label="slot")
+        step.insert(slot, (target, toks[a:b]))
+        out = eng.forward(step, all_logits=True)
+        got.append(out[slot])
+    assert np.concatenate(got).tobytes() == want.tobytes()
+
+
+def test_token_by_token_equals_prefill_across_split_boundary(tiny):
+    """Prefill at once vs one token per step, past the 256-position KV split."""
+    rng = np.random.default_rng(7)
+    toks = rng.integers(0, 256, 300).tolist()
+    want = solo_logits(tiny, toks)
+    eng = Engine(tiny)
+    s = eng.new_sequence()
+    got = [eng.forward([(s, [t])], all_logits=True)[0] for t in toks]
+    assert np.concatenate(got).tobytes() == want.tobytes()
+
+
+@SETTINGS
+@given(data=st.data())
+def test_prefix_reuse(tiny, data):
+    """A sequence forked from a cached prefix continues with the same bytes."""
+    n = data.draw(st.integers(2, 50))
+    toks = data.draw(st.lists(st.integers(0, 255), min_size=n, max_size=n))
+    k = data.draw(st.integers(1, n - 1))
+    want = solo_logits(tiny, toks)
+    eng = Engine(tiny)
+    donor = eng.new_sequence()
+    extra = data.draw(st.lists(st.integers(0, 255), max_size=10))
+    eng.forward([(donor, toks[:k] + extra)])
+    seq = eng.fork(donor, k)
+    eng.release(donor)
+    got = eng.forward([(seq, toks[k:])], all_logits=True)[0]
+    assert got.tobytes() == want[k:].tobytes()
+
+
+def test_repeat_and_threads(tiny):
+    """Repeated runs and a different BLAS thread count give the same bytes."""
+    from threadpoolctl import threadpool_limits
+
+    toks = list(range(1, 60, 3))
+    a = solo_logits(tiny, toks)
+    with threadpool_limits(limits=1):
+        b = solo_logits(tiny, toks)
+    c = solo_logits(tiny, toks)
+    assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_every_quant_type_batch_invariant(tmp_path, qtype):
+    """Each supported weight type: batched/chunked equals solo, logits finite."""
+    shape = (256, 2, 4, 2, 512, 300)
+    model = load_model(write_model(str(tmp_path / f"{qtype}.gguf"), shape, qtype, seed=11, tied=qtype == "Q8_0"))
+    toks = list(range(5, 45))
+    want = solo_logits(model, toks)
+    assert np.isfinite(want).all()
+    eng = Engine(model)
+    other, target = eng.new_sequence(), eng.new_sequence()
+    got = []
+    for a in range(0, 40, 7):
+        out = eng.forward([(other, [a % 300, 1]), (target, toks[a:a + 7])], all_logits=True)
+        got.append(out[1])
+    assert np.concatenate(got).tobytes() == want.tobytes()

@@ -1,0 +1,178 @@
+"""The reference twins follow docs/determinism.md exactly, and compute the right values."""
+
+import numpy as np
+import pytest
+
+from node import reference as ref
+from node.fmath import exp32, ln64, sincos64
+from node.gguf_model import decode_blocks
+from node.rope_table import rope_table
+from node.sampler import SamplingParams, philox4x32, sample, uniform
+
+F32 = np.float32
+rng = np.random.default_rng(1234)
+
+
+def scalar_warp_sum(terms):
+    """Independent scalar emulation of the contract's warp_sum (lanes, then xor-butterfly)."""
+    n = len(terms)
+    g = max(1, -(-n // 32))
+    lanes = []
+    for lane in range(32):
+        acc = F32(0.0)
+        for i in range(lane * g, min(n, lane * g + g)):
+            acc = F32(acc + F32(terms[i]))
+        lanes.append(acc)
+    for off in (1, 2, 4, 8, 16):
+        lanes = [F32(lanes[i] + lanes[i ^ off]) for i in range(32)]
+    assert len(set(v.tobytes() for v in lanes)) == 1  # every lane holds the same value
+    return lanes[0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 31, 32, 33, 64, 100, 576, 1000])
+def test_warp_sum_matches_scalar_emulation(n):
+    t = (rng.standard_normal(n) * 10 ** rng.uniform(-3, 3, n)).astype(F32)
+    assert ref.warp_sum(t).tobytes() == scalar_warp_sum(t).tobytes()
+
+
+def test_warp_sum_order_is_observable():
+    """The tree differs from a left-to-right sum on cancelling inputs, so the order matters."""
+    t = np.array([1e8, 1.0, -1e8, 1.0] * 16, F32)
+    seq = F32(0)
+    for v in t:
+        seq = F32(seq + v)
+    assert ref.warp_sum(t) != seq
+
+
+def test_exp32_accuracy_and_specials():
+    x = np.linspace(-87, 88.7, 1_000_001).astype(F32)
+    y = exp32(x).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(y - want) / want) < 2.5 * 2.0 ** -24 * 2  # under 2.5 ulp
+    sp = exp32(np.array([0.0, -0.0, 100.0, -200.0, np.inf, -np.inf], F32))
+    assert sp.tolist() == [1.0, 1.0, np.inf, 0.0, np.inf, 0.0]
+    assert np.isnan(exp32(np.array([np.nan], F32)))[0]
+    sub = exp32(np.array([-100.0], F32))[0]
+    assert 0 < sub < np.finfo(F32).tiny  # subnormal result, not flushed
+    assert abs(float(sub) - np.exp(-100.0)) <= 2.0 ** -149  # within one subnormal ulp
+
+
+def test_host_math():
+    for x in (2.0, 10000.0, 100000.0, 500000.0, 0.37):
+        assert abs(ln64(x) - np.log(x)) < 4e-15 * max(1, abs(np.log(x)))
+    t = np.linspace(-10000, 10000, 100001)
+    s, c = sincos64(t)
+    assert np.abs(s - np.sin(t)).max() < 1e-12 and np.abs(c - np.cos(t)).max() < 1e-12
+    cos, sin = rope_table(64, 4096, 100000.0)
+    i = np.arange(32)
+    th = np.arange(4096)[:, None] * 100000.0 ** (-2 * i / 64)
+    assert np.abs(cos - np.cos(th)).max() < 1e-7 and np.abs(sin - np.sin(th)).max() < 1e-7
+
+
+def test_quantize_q8():
+    x = (rng.standard_normal((3, 128)) * 5).astype(F32)
+    x[1, :32] = 0.0
+    q, d, a = ref.quantize_q8(x)
+    assert q.dtype == np.int8 and np.abs(q).max() <= 127
+    assert (d[1, 0] == 0) and not q[1, 0].any()
+    assert np.array_equal(d, (np.abs(x.reshape(3, 4, 32)).max(-1) / F32(127)))
+    err = np.abs(q * d[..., None] - x.reshape(3, 4, 32))
+    assert (err <= d[..., None] * 0.5000001).all()
+    assert np.array_equal(a, q.astype(np.int32).sum(-1))
+
+
+@pytest.mark.parametrize("qtype,bb,be", [("Q8_0", 34, 32), ("Q4_0", 18, 32), ("Q4_1", 20, 32),
+                                         ("Q4_K", 144, 256), ("Q6_K", 210, 256)])
+def test_matmul_q_close_to_float64(qtype, bb, be):
+    from node.synth import _quant_rows
+    n, k, m = 40, 512, 3
+    raw = _quant_rows(np.random.default_rng(2), qtype, n, k, 1.0)
+    codes, scale, offset = decode_blocks(qtype, raw)
+    w64 = scale[..., None].astype(np.float64) * codes
+    if offset is not None:
+        w64 = w64 + offset[..., None]
+    w64 = w64.reshape(n, k)
+    x = rng.standard_normal((m, k)).astype(F32)
+    xq = ref.quantize_q8(x)
+    y = ref.matmul_q(xq, ref.RefQuantWeight(codes, scale, offset))
+    xdq = (xq[0].astype(np.float64) * xq[1][..., None]).reshape(m, k)
+    want = xdq @ w64.T
+    assert np.allclose(y, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    # and the activation quantization error against the unquantized product is small
+    assert np.abs(y - x.astype(np.float64) @ w64.T).max() < 0.02 * np.abs(want).max()
+
+
+def test_matmul_f_and_rms_norm_close_to_float64():
+    x = rng.standard_normal((4, 300)).astype(F32)
+    w = rng.standard_normal((50, 300)).astype(F32)
+    assert np.allclose(ref.matmul_f(x, w), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
+    g = rng.standard_normal(300).astype(F32)
+    want = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * g
+    assert np.allclose(ref.rms_norm(x, g, 1e-5), want, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_close_to_float64_softmax():
+    hkv, h, hd, p = 2, 4, 16, 600          # 600 positions: three KV splits
+    k = rng.standard_normal((hkv, p, hd)).astype(F32)
+    v = rng.standard_normal((hkv, p, hd)).astype(F32)
+    pos = np.array([0, 255, 256, 599])
+    q = (rng.standard_normal((4, h, hd)) * 2).astype(F32)
+    out = ref.attention(q, k, v, pos)
+    for t, pp in enumerate(pos):
+        for hh in range(h):
+            kv = hh // (h // hkv)
+            s = (k[kv, :pp + 1].astype(np.float64) @ q[t, hh]) / np.sqrt(hd)
+            e = np.exp(s - s.max())
+            want = (e / e.sum()) @ v[kv, :pp + 1]
+            assert np.allclose(out[t, hh], want, rtol=1e-4, atol=1e-5)
+
+
+def test_philox_known_answers():
+    """Random123 known-answer vectors for philox4x32-10."""
+    assert philox4x32((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+    assert philox4x32((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2) == (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)
+    assert philox4x32((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)) == \
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)
+
+
+def test_uniform_open_interval():
+    us = np.array([uniform(s, p) for s in range(20) for p in range(200)])
+    assert us.dtype == F32 and (us > 0).all() and (us < 1).all()
+    assert abs(us.mean() - 0.5) < 0.02
+    assert F32(2 * (0 >> 9) + 1) * F32(2.0 ** -24) == F32(2.0 ** -24)
+    assert F32(2 * (0xFFFFFFFF >> 9) + 1) * F32(2.0 ** -24) == F32(1 - 2.0 ** -24)
+
+
+def test_greedy_ties_lowest_id():
+    lg = np.array([1.0, 3.0, 2.0, 3.0], F32)
+    assert sample(lg, SamplingParams(), 0) == 1
+
+
+def test_seeded_sampling():
+    lg = rng.standard_normal(1000).astype(F32) * 3
+    p = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=42)
+    draws = [sample(lg, p, pos) for pos in range(300)]
+    assert draws == [sample(lg, p, pos) for pos in range(300)]              # reproducible
+    assert draws != [sample(lg, SamplingParams(0.8, 50, 0.9, 43), pos) for pos in range(300)]
+    assert len(set(draws)) > 5
+    top = set(np.argsort(-lg, kind="stable")[:50].tolist())
+    assert set(draws) <= top
+    assert all(sample(lg, SamplingParams(0.8, 1, 1.0, 1), pos) == int(np.argmax(lg)) for pos in range(20))
+    assert all(sample(lg, SamplingParams(0.8, 0, 1e-6, 1), pos) == int(np.argmax(lg)) for pos in range(20))
+
+
+def test_sampling_distribution_matches_softmax():
+    lg = np.array([2.0, 1.0, 0.0, -1.0], F32)
+    p = SamplingParams(temperature=1.0, seed=7)
+    counts = np.bincount([sample(lg, p, pos) for pos in range(20000)], minlength=4)
+    want = np.exp(lg) / np.exp(lg).sum()
+    assert np.allclose(counts / counts.sum(), want, atol=0.015)
+
+
+@pytest.mark.parametrize("bad", [SamplingParams(temperature=-0.1), SamplingParams(top_p=0.0),
+                                 SamplingParams(top_p=1.5), SamplingParams(top_k=-1),
+                                 SamplingParams(temperature=float("nan")), SamplingParams(seed=-1)])
+def test_sampling_params_rejected(bad):
+    from node.errors import RequestError
+    with pytest.raises(RequestError):
+        bad.validate()
