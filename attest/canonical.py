@@ -18,6 +18,8 @@ MAX_BYTES = 64 << 20
 
 
 def _sorted(obj):
+    if isinstance(obj, (msgpack.ExtType, msgpack.Timestamp)):
+        raise TypeError("canonical encoding has no ext types")
     if isinstance(obj, dict):
         if not all(isinstance(k, str) for k in obj):
             raise TypeError("canonical maps need str keys")

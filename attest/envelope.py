@@ -48,7 +48,7 @@ def open_envelope(data: bytes, trusted_key: bytes | None = None) -> dict:
     if not (isinstance(env, list) and len(env) == 5 and env[0] == MAGIC):
         raise AttestationError("not a bitexact attestation")
     _, version, body, pub, sig = env
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:  # not True or 1.0
         raise AttestationError(f"unknown attestation format version {version!r} (this build reads {FORMAT_VERSION})")
     if not (isinstance(body, bytes) and isinstance(pub, bytes) and len(pub) == 32
             and isinstance(sig, bytes) and len(sig) == 64):

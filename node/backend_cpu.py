@@ -86,17 +86,31 @@ class CpuBackend:
         k, v = self._kv[src]
         self._kv[dst] = [k[:, :, :max(n, 64)].copy(), v[:, :, :max(n, 64)].copy()]
 
-    def kv_write_attend(self, seq, layer, pos, q, k, v):
-        """Store k, v (fp32 ``[T, Hkv, hd]``) at positions ``pos`` of ``seq``, then
-        return attention of q (fp32 ``[T, H, hd]``) over the sequence's cache."""
-        cache = self._kv[seq]
-        need = int(pos.max()) + 1
-        if cache[0].shape[2] < need:
-            cap = max(need, 2 * cache[0].shape[2])
-            for i in range(2):
-                grown = np.zeros(cache[i].shape[:2] + (cap,) + cache[i].shape[3:], F32)
-                grown[:, :, :cache[i].shape[2]] = cache[i]
-                cache[i] = grown
-        cache[0][layer][:, pos] = k.transpose(1, 0, 2)
-        cache[1][layer][:, pos] = v.transpose(1, 0, 2)
-        return ref.attention(q, cache[0][layer], cache[1][layer], pos)
+    def begin_step(self, spans, pos) -> None:
+        """Make room in each sequence's cache for this step's tokens.
+
+        ``spans``: ``(seq, a, b)``, the step's token rows ``a:b`` belong to
+        ``seq``; ``pos`` int ``[M]`` the tokens' positions.
+        """
+        self._spans, self._pos = spans, pos
+        for seq, a, b in spans:
+            cache = self._kv[seq]
+            need = int(pos[b - 1]) + 1
+            if cache[0].shape[2] < need:
+                cap = max(need, 2 * cache[0].shape[2])
+                for i in range(2):
+                    grown = np.zeros(cache[i].shape[:2] + (cap,) + cache[i].shape[3:], F32)
+                    grown[:, :, :cache[i].shape[2]] = cache[i]
+                    cache[i] = grown
+
+    def attend(self, layer, q, k, v):
+        """Store k, v (fp32 ``[M, Hkv, hd]``) at their positions, then return
+        attention of q (fp32 ``[M, H, hd]``), each token over its own sequence."""
+        out = np.empty_like(q)
+        for seq, a, b in self._spans:
+            kc, vc = self._kv[seq][0][layer], self._kv[seq][1][layer]
+            pos = self._pos[a:b]
+            kc[:, pos] = k[a:b].transpose(1, 0, 2)
+            vc[:, pos] = v[a:b].transpose(1, 0, 2)
+            out[a:b] = ref.attention(q[a:b], kc, vc, pos)
+        return out

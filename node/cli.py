@@ -64,6 +64,7 @@ def cmd_run(args) -> int:
 
     from .engine import Engine
     from .generate import Request, build_request, generate
+    from .generate import _validate_messages as validate_messages
     from .gguf_model import default_model_path, load_model
     from .provenance import build_payload
     from .sampler import SamplingParams
@@ -75,12 +76,19 @@ def cmd_run(args) -> int:
             messages = json.loads(args.chat) if args.chat.lstrip().startswith("[") else None
         except json.JSONDecodeError as e:
             raise RequestError(f"--chat is not valid JSON: {e.msg}") from None
-        messages = messages or [{"role": "user", "content": args.chat}]
-        if len(messages) == 1 and not messages[0].get("content", "x").strip():
+        except RecursionError:
+            raise RequestError("--chat is not valid JSON: nested too deeply") from None
+        if messages is None:
+            messages = [{"role": "user", "content": args.chat}]
+        validate_messages(messages)
+        if len(messages) == 1 and not messages[0]["content"].strip():
             raise RequestError("the chat message is empty")
     else:
         messages = None
     model = load_model(args.model or default_model_path())
+    if args.ctx is not None and not 0 < args.ctx <= model.hparams.n_ctx_train:
+        raise RequestError(f"--ctx must be between 1 and the model's context length "
+                           f"{model.hparams.n_ctx_train}, got {args.ctx}")
     tok = Tokenizer(model)
     engine = Engine(model, device=resolve_device(args.device), n_ctx=args.ctx)
     req = Request(prompt=args.prompt, messages=messages, max_tokens=args.max_tokens,

@@ -24,10 +24,11 @@ class Engine:
 
     ``device`` is ``"cpu"`` (numpy reference) or ``"cuda"`` (CuPy kernels).
     ``n_ctx`` is the context length in tokens (default: the model's training
-    context, at most 8192).
+    context, at most 8192). ``cuda_opts`` (``pin``, ``kv_pages``) go to
+    :class:`~node.backend_cuda.CudaBackend`.
     """
 
-    def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None):
+    def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None, **cuda_opts):
         self.model = model
         self.hp = hp = model.hparams
         self.n_ctx = int(n_ctx or min(hp.n_ctx_train, 8192))
@@ -36,7 +37,7 @@ class Engine:
             self.backend = CpuBackend(model)
         elif device == "cuda":
             from .backend_cuda import CudaBackend
-            self.backend = CudaBackend(model)
+            self.backend = CudaBackend(model, **cuda_opts)
         else:
             raise RequestError(f"unknown device {device!r} (expected cpu or cuda)")
         self.device = device
@@ -105,6 +106,7 @@ class Engine:
         pos_arr = np.asarray(pos, np.int64)
         m = len(toks)
         cos, sin = self._cos[be.from_host(pos_arr)], self._sin[be.from_host(pos_arr)]
+        be.begin_step([(seq, a, b) for (seq, _), (a, b) in zip(chunks, spans)], pos_arr)
         x = be.embed(tok_arr)
         for layer in range(hp.n_layer):
             p = f"blk.{layer}."
@@ -115,10 +117,7 @@ class Engine:
             v = be.linear(h, hq, p + "attn_v.weight").reshape(m, hp.n_head_kv, hp.head_dim)
             q = be.rope(q, cos, sin)
             k = be.rope(k, cos, sin)
-            att = be.xp.empty_like(q)
-            for (seq, _), (a, b) in zip(chunks, spans):
-                att[a:b] = be.kv_write_attend(seq, layer, pos_arr[a:b], q[a:b], k[a:b], v[a:b])
-            att = att.reshape(m, hp.n_embd)
+            att = be.attend(layer, q, k, v).reshape(m, hp.n_embd)
             x = be.residual_add(x, be.linear(att, be.quantize(att), p + "attn_output.weight"))
             h = be.rms_norm(x, p + "ffn_norm.weight")
             hq = be.quantize(h)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from attest.envelope import open_envelope
 from node.engine import Engine
-from node.errors import AttestationError, ModelError
+from node.errors import AttestationError, ModelError, RequestError
 from node.generate import Request, build_request, generate, params_of
 from node.gguf_model import default_model_path, load_model
 from node.tokenizer import Tokenizer
@@ -48,6 +48,9 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
     if model.sha256 != want:
         raise ModelError(f"model digest differs: the attestation names {want}, {model.path} is {model.sha256}")
     rec = payload["request"]
+    if not 0 < rec["n_ctx"] <= model.hparams.n_ctx_train:
+        raise RequestError(f"the attested context length {rec['n_ctx']} is outside 1..{model.hparams.n_ctx_train}, "
+                           f"the model's context length")
     tok = Tokenizer(model)
     req = Request(prompt=rec["prompt"] if rec["mode"] == "prompt" else None, messages=rec["messages"],
                   max_tokens=rec["max_tokens"], params=params_of(rec), stop=list(rec["stop"]))

@@ -1,0 +1,103 @@
+// bitexact: shared device helpers for the determinism contract (docs/determinism.md).
+// Every float operation is an explicit correctly rounded intrinsic (__fadd_rn,
+// __fmul_rn, ...), so no multiply-add can be contracted into an FMA.
+#pragma once
+
+#define BX_FULL 0xffffffffu
+#define BX_WARP 32
+
+// fp16 bits -> fp32, exact (PTX cvt.f32.f16 is a widening conversion).
+__device__ __forceinline__ float bx_half(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// bf16 bits -> fp32, exact.
+__device__ __forceinline__ float bx_bf16(unsigned short h) {
+    return __int_as_float(((unsigned int)h) << 16);
+}
+
+// Contract warp_sum, last stage: xor-butterfly with offsets 1, 2, 4, 8, 16.
+// Twin: node/reference.py warp_sum (pairwise neighbours-first tree).
+__device__ __forceinline__ float bx_butterfly(float v) {
+#pragma unroll
+    for (int off = 1; off < BX_WARP; off <<= 1)
+        v = __fadd_rn(v, __shfl_xor_sync(BX_FULL, v, off));
+    return v;
+}
+
+// The same tree computed by one thread over 32 lane values p[0..31]
+// (((p0+p1)+(p2+p3))+...), identical to bx_butterfly's result.
+__device__ __forceinline__ float bx_tree32(float* p) {
+#pragma unroll
+    for (int w = 1; w < BX_WARP; w <<= 1)
+#pragma unroll
+        for (int i = 0; i < BX_WARP; i += 2 * w)
+            p[i] = __fadd_rn(p[i], p[i + w]);
+    return p[0];
+}
+
+// Contract exp32 (node/fmath.py exp32). Constants are the fp32 bit patterns.
+__device__ __forceinline__ float bx_exp32(float x) {
+    if (x != x) return x;
+    if (x > __int_as_float(0x42b17218)) return __int_as_float(0x7f800000);
+    if (x < __int_as_float(0xc2d00000)) return 0.0f;
+    float n = rintf(__fmul_rn(x, __int_as_float(0x3fb8aa3b)));
+    float r = __fsub_rn(__fsub_rn(x, __fmul_rn(n, __int_as_float(0x3f318000))),
+                        __fmul_rn(n, __int_as_float(0xb95e8083)));
+    float p = __int_as_float(0x39500d01);
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3ab60b61));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3c088889));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3d2aaaab));
+    p = __fadd_rn(__fmul_rn(p, r), __int_as_float(0x3e2aaaab));
+    p = __fadd_rn(__fmul_rn(p, r), 0.5f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    int ni = (int)n;
+    int n1 = ni >> 1;
+    int n2 = ni - n1;
+    return __fmul_rn(__fmul_rn(p, __int_as_float((n1 + 127) << 23)), __int_as_float((n2 + 127) << 23));
+}
+
+// Weight type ids shared with node/backend_cuda.py (QTYPE_IDS).
+#define BX_F32 0
+#define BX_F16 1
+#define BX_BF16 2
+#define BX_Q8_0 3
+#define BX_Q4_0 4
+#define BX_Q4_1 5
+#define BX_Q4_K 6
+#define BX_Q6_K 7
+
+__device__ __forceinline__ unsigned int bx_u16(const unsigned char* p) {
+    return *(const unsigned short*)p;  // every use is 2-byte aligned
+}
+
+// Four bytes at a 2-byte-aligned address, little endian.
+__device__ __forceinline__ unsigned int bx_u32_a2(const unsigned char* p) {
+    const unsigned short* s = (const unsigned short*)p;
+    return (unsigned int)s[0] | ((unsigned int)s[1] << 16);
+}
+
+// Q4_K 6-bit scale and min of sub-block j (ggml get_scale_min_k4).
+__device__ __forceinline__ void bx_q4k_scale_min(const unsigned char* sc, int j, int* s, int* m) {
+    if (j < 4) {
+        *s = sc[j] & 63;
+        *m = sc[j + 4] & 63;
+    } else {
+        *s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+// Q6_K: the 6-bit value (0..63) of element l (0..31) of 32-element block sb (0..7).
+__device__ __forceinline__ int bx_q6k_value(const unsigned char* blk, int sb, int l) {
+    const unsigned char* ql = blk;
+    const unsigned char* qh = blk + 128;
+    int h = sb >> 2, k = sb & 3;
+    int lo = ql[64 * h + 32 * (k & 1) + l];
+    lo = (k >> 1) ? (lo >> 4) : (lo & 0xF);
+    int hi = (qh[32 * h + l] >> (2 * k)) & 3;
+    return lo | (hi << 4);
+}

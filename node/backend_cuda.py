@@ -1,0 +1,352 @@
+"""CUDA backend: the kernels in cuda/ through CuPy, bit-identical to node/reference.py.
+
+Kernels are compiled from source with NVRTC (``cuda.bindings.nvrtc``) using the
+pinned options of :mod:`node.kernels` (never CuPy's own compile, which appends
+``-ftz=true``), cached as cubins keyed by the SHA-256 of sources and options,
+and loaded with ``cupy.RawModule(path=...)``.
+
+Each ``launch_*`` function below is the launcher of the kernel of the same
+name, with its shape and dtype checks, in the order of the ``.cu`` files.
+The KV cache is paged: a page holds one 256-position attention split of one
+sequence, for all layers (``[n_layer, n_pages, Hkv, 256, hd]`` fp32 for K and V).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+
+from .errors import BitexactError
+from .gguf_model import FLOAT_TYPES, Model, float_values
+from .kernels import COMPILE_OPTIONS
+from .reference import SPLIT_KV
+
+QTYPE_IDS = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_1": 5, "Q4_K": 6, "Q6_K": 7}
+DEFAULT_PIN = "NVIDIA H200"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.cu", "residual.cu",
+                "embed.cu", "sampler.cu")
+MQ_TM = 8  # tokens per warp in matmul_q / matmul_f (cuda/matmul.cu)
+
+
+class GpuError(BitexactError):
+    """No usable GPU, a GPU other than the pinned one, a compile failure or out of memory."""
+
+
+def _cupy():
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise GpuError("no CUDA GPU is visible")
+        return cupy
+    except ImportError:
+        raise GpuError("CuPy is not installed: pip install 'bitexact[cuda]'") from None
+    except GpuError:
+        raise
+    except Exception as e:
+        raise GpuError(f"no usable CUDA GPU: {e}") from None
+
+
+def _nvrtc_compile(name: str, src: str, header: str) -> bytes:
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        raise GpuError("cuda-bindings (NVRTC) is not installed: pip install 'bitexact[cuda]'") from None
+    ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
+    err, prog = nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 1, [header.encode()], [b"common.cuh"])
+    if err != ok:
+        raise GpuError(f"NVRTC could not create program {name}: {err}")
+    try:
+        opts = [o.encode() for o in COMPILE_OPTIONS]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != ok:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            first = next((ln for ln in log.decode(errors="replace").splitlines() if "error" in ln), str(err))
+            raise GpuError(f"NVRTC failed to compile cuda/{name}: {first.strip()}")
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def load_modules(cupy) -> dict:
+    """Compile (or take from the cache) every kernel file; returns name -> RawModule."""
+    from attest.atomic import atomic_write
+
+    with open(os.path.join(ROOT, "cuda", "common.cuh")) as f:
+        header = f.read()
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "bitexact", "cubin")
+    os.makedirs(cache, exist_ok=True)
+    mods = {}
+    for name in KERNEL_FILES:
+        with open(os.path.join(ROOT, "cuda", name)) as f:
+            src = f.read()
+        key = hashlib.sha256("\0".join((src, header) + COMPILE_OPTIONS).encode()).hexdigest()
+        path = os.path.join(cache, f"{name}-{key[:24]}.cubin")
+        if not os.path.exists(path):
+            atomic_write(path, _nvrtc_compile(name, src, header))
+        mods[name] = cupy.RawModule(path=path)
+    return mods
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(f"kernel launch shape check failed: {what}")
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, model: Model, pin: str | None = DEFAULT_PIN, kv_pages: int | None = None):
+        cp = self.xp = _cupy()
+        self.cp = cp
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        self.gpu_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.cc = f"{props['major']}.{props['minor']}"
+        if pin and self.gpu_name != pin:
+            raise GpuError(f"this node is pinned to {pin!r} but the GPU is {self.gpu_name!r} (use --pin to change)")
+        if (props["major"], props["minor"]) != (9, 0):
+            raise GpuError(f"kernels are built for sm_90; {self.gpu_name} is compute capability {self.cc}")
+        self.model, self.hp = model, model.hparams
+        try:
+            mods = load_modules(cp)
+            self.k = {n: mods[f].get_function(n) for f, names in (
+                ("matmul.cu", ("quantize_q8", "matmul_q", "matmul_f")), ("norm.cu", ("rms_norm",)),
+                ("rope.cu", ("rope",)), ("attention.cu", ("kv_store", "attention_split", "attention_combine")),
+                ("activation.cu", ("silu_gate",)), ("residual.cu", ("residual_add",)), ("embed.cu", ("embed",)),
+                ("sampler.cu", ("argmax",))) for n in names}
+            self._weights = {}
+            for name, t in model.tensors.items():
+                if t.rows == 1 and t.qtype in FLOAT_TYPES:
+                    self._weights[name] = cp.asarray(float_values(t)[0])
+                else:
+                    self._weights[name] = cp.asarray(np.ascontiguousarray(t.raw))
+            hp = self.hp
+            self.page_floats = hp.n_head_kv * SPLIT_KV * hp.head_dim
+            page_bytes = 2 * hp.n_layer * self.page_floats * 4
+            if kv_pages is None:
+                free = cp.cuda.runtime.memGetInfo()[0]
+                kv_pages = int(max(8, min(2048, 0.5 * free // page_bytes)))
+            self.kv_pages = kv_pages
+            shape = (hp.n_layer, kv_pages, hp.n_head_kv, SPLIT_KV, hp.head_dim)
+            self.kp = cp.empty(shape, cp.float32)
+            self.vp = cp.empty(shape, cp.float32)
+        except cp.cuda.memory.OutOfMemoryError as e:
+            raise GpuError(f"out of GPU memory while loading the model: {e}") from None
+        self._free_pages = list(range(kv_pages - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}
+
+    # ---- host/device -------------------------------------------------------
+    def to_host(self, x) -> np.ndarray:
+        return self.cp.asnumpy(x)
+
+    def from_host(self, x):
+        return self.cp.asarray(x)
+
+    def vector(self, name: str) -> np.ndarray:
+        return float_values(self.model.tensors[name])[0]
+
+    def device_record(self) -> dict:
+        cp = self.cp
+        rec = {"gpu": self.gpu_name, "compute_capability": self.cc,
+               "cuda_driver": str(cp.cuda.runtime.driverGetVersion()),
+               "cuda_runtime": str(cp.cuda.runtime.runtimeGetVersion()), "cupy": cp.__version__}
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            rec["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
+        except Exception:
+            rec["driver"] = "unknown"
+        return rec
+
+    # ---- launchers ---------------------------------------------------------
+    def launch_quantize_q8(self, x):
+        cp = self.cp
+        m, k = x.shape
+        _check(x.dtype == cp.float32 and x.flags.c_contiguous and k % 32 == 0, "quantize_q8 x fp32 [M, K%32==0]")
+        nb = k // 32
+        q = cp.empty((m, k), cp.int8)
+        d = cp.empty((m, nb), cp.float32)
+        a = cp.empty((m, nb), cp.int32)
+        threads = 32 * m * nb
+        self.k["quantize_q8"](((threads + 255) // 256,), (256,), (x, q, d, a, np.int32(m), np.int32(k)))
+        return q, d, a
+
+    def launch_matmul_q(self, xq, name):
+        cp = self.cp
+        t = self.model.tensors[name]
+        q, d, a = xq
+        m, k = q.shape
+        _check(k == t.cols and d.shape == (m, k // 32) and a.shape == (m, k // 32), f"matmul_q {name} K={t.cols}")
+        y = cp.empty((m, t.rows), cp.float32)
+        grid = ((t.rows + 3) // 4, (m + MQ_TM - 1) // MQ_TM)
+        self.k["matmul_q"](grid, (128,), (self._weights[name], np.int32(QTYPE_IDS[t.qtype]),
+                                          np.int32(t.raw.shape[1]), q, d, a, y, np.int32(m),
+                                          np.int32(t.rows), np.int32(k)))
+        return y
+
+    def launch_matmul_f(self, x, name):
+        cp = self.cp
+        t = self.model.tensors[name]
+        m, k = x.shape
+        _check(x.dtype == cp.float32 and x.flags.c_contiguous and k == t.cols, f"matmul_f {name} K={t.cols}")
+        y = cp.empty((m, t.rows), cp.float32)
+        grid = ((t.rows + 3) // 4, (m + MQ_TM - 1) // MQ_TM)
+        self.k["matmul_f"](grid, (128,), (self._weights[name], np.int32(QTYPE_IDS[t.qtype]),
+                                          np.int32(t.raw.shape[1]), x, y, np.int32(m), np.int32(t.rows),
+                                          np.int32(k)))
+        return y
+
+    def launch_rms_norm(self, x, w, eps):
+        cp = self.cp
+        m, k = x.shape
+        _check(x.dtype == cp.float32 and x.flags.c_contiguous and w.shape == (k,), "rms_norm x [M, K], w [K]")
+        y = cp.empty_like(x)
+        self.k["rms_norm"](((m + 3) // 4,), (128,), (x, w, y, np.int32(m), np.int32(k), np.float32(eps)))
+        return y
+
+    def launch_rope(self, x, cos, sin):
+        cp = self.cp
+        m, h, hd = x.shape
+        _check(x.flags.c_contiguous and cos.shape == (m, hd // 2) and sin.shape == (m, hd // 2), "rope shapes")
+        out = cp.empty_like(x)
+        n = m * h * (hd // 2)
+        self.k["rope"](((n + 255) // 256,), (256,), (x, cp.ascontiguousarray(cos), cp.ascontiguousarray(sin),
+                                                     out, np.int32(m), np.int32(h), np.int32(hd)))
+        return out
+
+    def launch_kv_store(self, layer, k, v):
+        t, hkv, hd = k.shape
+        _check(k.flags.c_contiguous and v.shape == k.shape and t == self._tok_page.size, "kv_store shapes")
+        n = t * hkv * hd
+        self.k["kv_store"](((n + 255) // 256,), (256,), (k, v, self.kp[layer], self.vp[layer], self._tok_page,
+                                                         self._tok_slot, np.int32(t), np.int32(hkv), np.int32(hd)))
+
+    def launch_attention(self, q):
+        cp = self.cp
+        t, h, hd = q.shape
+        hkv = self.hp.n_head_kv
+        _check(q.flags.c_contiguous and h % hkv == 0 and hd <= 1024 and t == self._qpos.size, "attention shapes")
+        ms = self._max_splits
+        pm = cp.empty((t, h, ms), cp.float32)
+        pl = cp.empty((t, h, ms), cp.float32)
+        po = cp.empty((t, h, ms, hd), cp.float32)
+        smem = (hd + SPLIT_KV + 32 * hd) * 4
+        scale = np.float32(1.0) / np.sqrt(np.float32(hd))
+        self.k["attention_split"]((t, h, ms), (SPLIT_KV,), (q, self._layer_k, self._layer_v, self._page_tab,
+                                                            self._qpos, pm, pl, po, np.int32(t), np.int32(h),
+                                                            np.int32(hkv), np.int32(hd), np.int32(ms), scale),
+                                  shared_mem=smem)
+        out = cp.empty_like(q)
+        self.k["attention_combine"]((t, h), (hd,), (pm, pl, po, self._qpos, out, np.int32(t), np.int32(h),
+                                                     np.int32(hd), np.int32(ms)))
+        return out
+
+    def launch_silu_gate(self, g, u):
+        _check(g.shape == u.shape and g.flags.c_contiguous and u.flags.c_contiguous, "silu_gate shapes")
+        out = self.cp.empty_like(g)
+        self.k["silu_gate"](((g.size + 255) // 256,), (256,), (g, u, out, np.int64(g.size)))
+        return out
+
+    def launch_residual_add(self, x, y):
+        _check(x.shape == y.shape and x.flags.c_contiguous and y.flags.c_contiguous, "residual_add shapes")
+        out = self.cp.empty_like(x)
+        self.k["residual_add"](((x.size + 255) // 256,), (256,), (x, y, out, np.int64(x.size)))
+        return out
+
+    def launch_embed(self, tokens):
+        cp = self.cp
+        t = self.model.tensors["token_embd.weight"]
+        tok = cp.asarray(tokens, dtype=cp.int64)
+        m = tok.size
+        out = cp.empty((m, t.cols), cp.float32)
+        n = m * t.cols
+        self.k["embed"](((n + 255) // 256,), (256,), (self._weights[t.name], np.int32(QTYPE_IDS[t.qtype]),
+                                                      np.int32(t.raw.shape[1]), tok, out, np.int32(m),
+                                                      np.int32(t.cols)))
+        return out
+
+    def launch_argmax(self, logits):
+        cp = self.cp
+        r, v = logits.shape
+        _check(logits.dtype == cp.float32 and logits.flags.c_contiguous, "argmax logits fp32 [R, V]")
+        out = cp.empty((r,), cp.int32)
+        nan = cp.empty((r,), cp.int32)
+        self.k["argmax"]((r,), (256,), (logits, out, nan, np.int32(r), np.int32(v)))
+        return out, nan
+
+    # ---- backend ops (same interface as CpuBackend) -------------------------
+    def embed(self, tokens):
+        return self.launch_embed(tokens)
+
+    def rms_norm(self, x, name):
+        return self.launch_rms_norm(x, self._weights[name], self.hp.rms_eps)
+
+    def quantize(self, x):
+        return self.launch_quantize_q8(self.cp.ascontiguousarray(x))
+
+    def linear(self, x, xq, name):
+        if self.model.tensors[name].qtype in FLOAT_TYPES:
+            return self.launch_matmul_f(self.cp.ascontiguousarray(x), name)
+        return self.launch_matmul_q(xq, name)
+
+    def rope(self, x, cos, sin):
+        return self.launch_rope(self.cp.ascontiguousarray(x), cos, sin)
+
+    def silu_gate(self, g, u):
+        return self.launch_silu_gate(g, u)
+
+    def residual_add(self, x, y):
+        return self.launch_residual_add(x, y)
+
+    # ---- paged KV cache ----------------------------------------------------
+    def kv_alloc(self, seq: int) -> None:
+        self._pages[seq] = []
+
+    def kv_free(self, seq: int) -> None:
+        self._free_pages.extend(reversed(self._pages.pop(seq, [])))
+
+    def _grow(self, seq: int, n_positions: int) -> None:
+        pages = self._pages[seq]
+        need = -(-n_positions // SPLIT_KV) - len(pages)
+        if need > len(self._free_pages):
+            raise GpuError(f"KV cache full: {need} more pages needed, {len(self._free_pages)} free")
+        for _ in range(max(0, need)):
+            pages.append(self._free_pages.pop())
+
+    def kv_copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self._pages[dst] = []
+        self._grow(dst, n)
+        for sp, dp in zip(self._pages[src], self._pages[dst]):
+            self.kp[:, dp] = self.kp[:, sp]
+            self.vp[:, dp] = self.vp[:, sp]
+
+    def begin_step(self, spans, pos) -> None:
+        """Allocate pages for this step's positions and upload the per-token page tables."""
+        cp = self.cp
+        for seq, a, b in spans:
+            self._grow(seq, int(pos[b - 1]) + 1)
+        m = len(pos)
+        self._max_splits = int(pos.max()) // SPLIT_KV + 1
+        tab = np.zeros((m, self._max_splits), np.int32)
+        tok_page = np.empty(m, np.int32)
+        for seq, a, b in spans:
+            pg = self._pages[seq]
+            n = min(len(pg), self._max_splits)
+            tab[a:b, :n] = pg[:n]
+            tok_page[a:b] = [pg[p // SPLIT_KV] for p in pos[a:b]]
+        self._page_tab = cp.asarray(tab)
+        self._tok_page = cp.asarray(tok_page)
+        self._tok_slot = cp.asarray((pos % SPLIT_KV).astype(np.int32))
+        self._qpos = cp.asarray(pos.astype(np.int32))
+
+    def attend(self, layer, q, k, v):
+        self.launch_kv_store(layer, self.cp.ascontiguousarray(k), self.cp.ascontiguousarray(v))
+        self._layer_k, self._layer_v = self.kp[layer], self.vp[layer]
+        return self.launch_attention(self.cp.ascontiguousarray(q))

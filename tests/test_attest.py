@@ -1,0 +1,448 @@
+"""Attestation format: canonical msgpack, the signed envelope and tamper detection.
+
+One real attestation is made per session (``bitexact run`` on the default
+model, 3 tokens); every case here works on copies of its bytes in-process.
+tests/test_cli.py reuses the same attestation through :func:`artifact`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import random
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import msgpack
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attest import canonical, envelope, keys, schema
+from node.errors import AttestationError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPT = "The capital of France is"
+MAX_TOKENS = 3
+
+
+# --------------------------------------------------------------------------
+# Shared helpers (also imported by tests/test_cli.py)
+
+def cli_env() -> dict:
+    env = dict(os.environ)
+    env.pop("BITEXACT_KEY_PASSPHRASE", None)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def bx(cwd, *args, timeout=300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m node.cli ARGS`` in ``cwd`` (``env`` adds variables)."""
+    return subprocess.run([sys.executable, "-m", "node.cli", *map(str, args)], cwd=str(cwd),
+                          env={**cli_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_input_error(proc: subprocess.CompletedProcess, code: int = 2) -> str:
+    """Exit ``code`` with exactly one ``bitexact: error:`` line on stderr and no traceback."""
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("bitexact: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@dataclass
+class Artifact:
+    dir: str
+    key: str          # KEY.pem (unencrypted)
+    pub: str          # KEY.pub.pem
+    bxa: str          # the attestation written by ``bitexact run``
+    data: bytes       # its bytes
+    payload: dict     # its checked payload
+    run_stdout: str
+    run_stderr: str
+
+    def private_key(self) -> Ed25519PrivateKey:
+        return keys.load_private(self.key)
+
+
+_ARTIFACT: Artifact | None = None
+
+
+def artifact(tmp_path_factory) -> Artifact:
+    """The session's single real attestation (made once, shared by both test files)."""
+    global _ARTIFACT
+    if _ARTIFACT is None:
+        d = tmp_path_factory.mktemp("signed")
+        p = bx(d, "keygen", "--out", "node.pem")
+        assert p.returncode == 0, p.stderr
+        p = bx(d, "run", "--key", "node.pem", "--prompt", PROMPT, "--max-tokens", MAX_TOKENS, "--device", "cpu")
+        assert p.returncode == 0, p.stderr
+        names = sorted(os.listdir(d))
+        bxas = [n for n in names if n.endswith(".bxa")]
+        assert len(bxas) == 1 and names == sorted(bxas + ["node.pem", "node.pub.pem"]), names
+        path = os.path.join(d, bxas[0])
+        with open(path, "rb") as f:
+            data = f.read()
+        payload = envelope.open_envelope(data)
+        _ARTIFACT = Artifact(str(d), os.path.join(d, "node.pem"), os.path.join(d, "node.pub.pem"), path, data,
+                             payload, p.stdout, p.stderr)
+    return _ARTIFACT
+
+
+def sign_raw(payload_obj, key: Ed25519PrivateKey, version=envelope.FORMAT_VERSION, body: bytes | None = None) -> bytes:
+    """An envelope built from the internals, without :func:`envelope.seal`'s schema check."""
+    if body is None:
+        body = canonical.encode(payload_obj)
+    sig = key.sign(envelope.pae(envelope.PAYLOAD_TYPE, body))
+    return canonical.encode([envelope.MAGIC, version, body, keys.public_raw(key), sig])
+
+
+def split_envelope(data: bytes):
+    env = canonical.decode(data)
+    assert isinstance(env, list) and len(env) == 5
+    return env
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory) -> Artifact:
+    return artifact(tmp_path_factory)
+
+
+# --------------------------------------------------------------------------
+# The real attestation itself
+
+def test_run_wrote_a_consistent_attestation(art):
+    p = art.payload
+    assert os.path.basename(art.bxa) == p["output"]["digest"].hex() + ".bxa"
+    assert art.run_stdout == p["output"]["text"] + "\n"
+    err = art.run_stderr.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"attestation: {os.path.basename(art.bxa)} ")
+    assert p["request"]["prompt"] == PROMPT and p["request"]["max_tokens"] == MAX_TOKENS
+    assert len(p["output"]["tokens"]) == MAX_TOKENS == len(p["output"]["step_chain"])
+    assert p["output"]["finish_reason"] == "length"
+    assert p["signer"]["public_key"] == keys.load_public(art.pub)
+    assert p["signer"]["key_id"] == hashlib.sha256(p["signer"]["public_key"]).hexdigest()
+    assert p["backend"] == "cpu"
+    # The stored bytes are exactly the canonical re-encoding of the envelope.
+    assert canonical.encode(split_envelope(art.data)) == art.data
+
+
+def test_trusted_key(art, tmp_path):
+    own = keys.load_public(art.pub)
+    assert envelope.open_envelope(art.data, trusted_key=own) == art.payload
+    other = keys.public_raw(Ed25519PrivateKey.generate())
+    with pytest.raises(AttestationError, match="not by the trusted key"):
+        envelope.open_envelope(art.data, trusted_key=other)
+
+
+# --------------------------------------------------------------------------
+# Tampering with the stored bytes
+
+@pytest.mark.parametrize("mask", [0x01, 0x80, 0xFF])
+def test_every_single_byte_flip_is_rejected(art, mask):
+    data = art.data
+    buf = bytearray(data)
+    accepted = []
+    for i in range(len(buf)):
+        buf[i] ^= mask
+        try:
+            envelope.open_envelope(bytes(buf))
+        except AttestationError:
+            pass
+        else:
+            accepted.append(i)
+        buf[i] ^= mask
+    assert bytes(buf) == data
+    assert accepted == []
+
+
+def test_every_truncation_and_extension_is_rejected(art):
+    data = art.data
+    for cut in range(len(data)):
+        with pytest.raises(AttestationError):
+            envelope.open_envelope(data[:cut])
+    for extra in (b"\x00", b"\xc0", data[:1], data):
+        with pytest.raises(AttestationError):
+            envelope.open_envelope(data + extra)
+
+
+def _leaf_paths(obj, path=()):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaf_paths(v, path + (k,))
+    elif isinstance(obj, list) and obj:
+        for i, v in enumerate(obj):
+            yield from _leaf_paths(v, path + (i,))
+    else:
+        yield path
+
+
+def _container_paths(obj, path=()):
+    if isinstance(obj, (dict, list)):
+        yield path, obj
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for k, v in items:
+            yield from _container_paths(v, path + (k,))
+
+
+def _get(obj, path):
+    for k in path:
+        obj = obj[k]
+    return obj
+
+
+def _set(obj, path, value):
+    _get(obj, path[:-1])[path[-1]] = value
+
+
+def _changed(v):
+    """A different value of the same shape (hex strings stay lowercase hex)."""
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        return v + 1
+    if isinstance(v, float):
+        return v + 0.5
+    if isinstance(v, bytes):
+        return bytes([v[0] ^ 1]) + v[1:]
+    if isinstance(v, str):
+        if len(v) == 64 and all(c in "0123456789abcdef" for c in v):
+            return v[:-1] + ("0" if v[-1] != "0" else "1")
+        return v + "x"
+    if v is None:
+        return []
+    if v == []:
+        return ["x"]
+    raise AssertionError(f"no mutation for {v!r}")
+
+
+def _field_mutations(payload):
+    for path in _leaf_paths(payload):
+        p = copy.deepcopy(payload)
+        _set(p, path, _changed(_get(payload, path)))
+        yield "set " + ".".join(map(str, path)), p
+    for path, c in _container_paths(payload):
+        if isinstance(c, dict):
+            for k in c:
+                p = copy.deepcopy(payload)
+                del _get(p, path)[k]
+                yield "drop " + ".".join(map(str, path + (k,))), p
+            p = copy.deepcopy(payload)
+            _get(p, path)["zz_extra"] = 0
+            yield "add " + ".".join(map(str, path + ("zz_extra",))), p
+        elif c:
+            p = copy.deepcopy(payload)
+            _get(p, path).append(copy.deepcopy(c[-1]))
+            yield "append " + ".".join(map(str, path)), p
+            p = copy.deepcopy(payload)
+            _get(p, path).pop()
+            yield "pop " + ".".join(map(str, path)), p
+
+
+def test_each_payload_field_change_breaks_the_signature(art):
+    _, version, body, pub, sig = split_envelope(art.data)
+    assert canonical.decode(body) == art.payload
+    seen = set()
+    cases = list(_field_mutations(art.payload))
+    names = {n for n, _ in cases}
+    for must in ("set output.tokens.0", "set output.step_chain.2", "set output.text", "set output.digest",
+                 "set request.prompt", "set request.prompt_tokens.0", "set request.temperature",
+                 "set request.seed", "set request.messages", "set request.stop", "set model.sha256",
+                 "set signer.public_key", "set signer.key_id", "set timestamp", "set contract_version",
+                 "set engine.reference_sha256", "set device.cpu", "drop output", "add zz_extra",
+                 "append output.tokens", "pop output.step_chain"):
+        assert must in names, must
+    for name, mutated in cases:
+        new_body = canonical.encode(mutated)
+        assert new_body != body, name
+        assert new_body not in seen, name
+        seen.add(new_body)
+        forged = canonical.encode([envelope.MAGIC, version, new_body, pub, sig])
+        with pytest.raises(AttestationError, match="bad signature"):
+            envelope.open_envelope(forged)
+    assert len(cases) > 60
+
+
+def test_swapping_in_another_key_is_rejected(art):
+    _, version, body, pub, sig = split_envelope(art.data)
+    other = Ed25519PrivateKey.generate()
+    # The old signature under another public key.
+    forged = canonical.encode([envelope.MAGIC, version, body, keys.public_raw(other), sig])
+    with pytest.raises(AttestationError, match="bad signature"):
+        envelope.open_envelope(forged)
+    # A valid signature by another key over a payload that still names the original signer.
+    forged = sign_raw(None, other, body=body)
+    with pytest.raises(AttestationError, match="different signer"):
+        envelope.open_envelope(forged)
+
+
+def test_resealed_by_the_same_key_passes_the_signature_check(art):
+    p = copy.deepcopy(art.payload)
+    p["output"]["tokens"][1] += 1
+    p["output"]["step_chain"][1] = hashlib.sha256(b"forged").digest()
+    assert envelope.open_envelope(envelope.seal(p, art.private_key())) == p
+
+
+# --------------------------------------------------------------------------
+# Versions: only the version is wrong, the signature is valid
+
+def test_unknown_envelope_format_version(art):
+    _, version, body, pub, sig = split_envelope(art.data)
+    assert version == envelope.FORMAT_VERSION == 1
+    for v in (0, 2, 255, -1, "1", 1.0, True, None, [1]):
+        forged = canonical.encode([envelope.MAGIC, v, body, pub, sig])
+        with pytest.raises(AttestationError, match="unknown attestation format version"):
+            envelope.open_envelope(forged)
+    # Same bytes with version 1 open fine: only the version was wrong.
+    assert envelope.open_envelope(canonical.encode([envelope.MAGIC, 1, body, pub, sig])) == art.payload
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("format_version", 2, "unknown payload format version"),
+    ("format_version", 0, "unknown payload format version"),
+    ("contract_version", 2, "unknown determinism-contract version"),
+    ("contract_version", 0, "unknown determinism-contract version"),
+])
+def test_unknown_payload_versions(art, field, value, message):
+    p = copy.deepcopy(art.payload)
+    p[field] = value
+    with pytest.raises(AttestationError, match=message):
+        envelope.seal(p, art.private_key())
+    with pytest.raises(AttestationError, match=message):
+        envelope.open_envelope(sign_raw(p, art.private_key()))
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (("backend",), "tpu", "unknown backend"),
+    (("output", "finish_reason"), "done", "unknown finish reason"),
+    (("request", "mode"), "batch", "unknown request mode"),
+    (("request", "temperature"), 0, "wrong type"),
+    (("request", "max_tokens"), True, "must be an integer"),
+    (("model", "sha256"), "AB" * 32, "64 lowercase hex"),
+    (("output", "digest"), b"\x00" * 31, "32 bytes"),
+    (("output", "tokens"), [1, 2], "differ in length"),
+])
+def test_signed_but_schema_invalid_payloads(art, path, value, message):
+    p = copy.deepcopy(art.payload)
+    _set(p, path, value)
+    with pytest.raises(AttestationError, match=message):
+        envelope.open_envelope(sign_raw(p, art.private_key()))
+
+
+def _packb_sorted(obj):
+    """Sorted-key msgpack without the canonical module's type checks."""
+    def srt(o):
+        if isinstance(o, dict):
+            return {k: srt(o[k]) for k in sorted(o, key=lambda k: k.encode())}
+        if isinstance(o, list):
+            return [srt(v) for v in o]
+        return o
+    return msgpack.packb(srt(obj), use_bin_type=True)
+
+
+def test_ext_types_inside_a_signed_payload_are_rejected(art):
+    p = copy.deepcopy(art.payload)
+    p["device"]["clock"] = msgpack.Timestamp(5)
+    with pytest.raises(TypeError):
+        canonical.encode(p)
+    forged = sign_raw(None, art.private_key(), body=_packb_sorted(p))
+    with pytest.raises(AttestationError, match="not canonically encoded"):
+        envelope.open_envelope(forged)
+
+
+def test_garbage_files(art):
+    cases = [b"", b"\x90", b'{"format": "bitexact-attestation"}\n', random.Random(0).randbytes(512),
+             canonical.encode({"a": [1, 2]}), canonical.encode(["bitexact-attestation", 1]),
+             canonical.encode(["bitexact-attestation", 1, b"x", b"y" * 32, b"z" * 64]),
+             canonical.encode(["bitexact-attestation", 1, "body", b"y" * 32, b"z" * 64]),
+             canonical.encode(["bitexact-attestation", 1, b"x", b"y" * 31, b"z" * 64]),
+             canonical.encode(["other-magic"] + split_envelope(art.data)[1:])]
+    for data in cases:
+        with pytest.raises(AttestationError):
+            envelope.open_envelope(data)
+
+
+# --------------------------------------------------------------------------
+# Canonical encoding
+
+def test_insertion_order_does_not_change_the_bytes():
+    a = {"b": 1, "a": [{"y": 2.5, "x": b"\x00"}], "é": None, "B": "s"}
+    b = {"B": "s", "é": None, "a": [{"x": b"\x00", "y": 2.5}], "b": 1}
+    assert list(a) != list(b)
+    assert canonical.encode(a) == canonical.encode(b)
+    assert canonical.decode(canonical.encode(a)) == a
+    # Keys sorted by UTF-8 bytes: "B" (0x42) < "a" < "b" < "é" (0xc3 0xa9).
+    assert list(canonical.decode(canonical.encode(a))) == ["B", "a", "b", "é"]
+
+
+def test_canonical_forms_accepted():
+    assert canonical.decode(b"\x05") == 5
+    assert canonical.decode(b"\xcc\x80") == 128
+    assert canonical.decode(b"\xcb" + struct.pack(">d", 1.5)) == 1.5
+    assert canonical.decode(b"\xa1a") == "a"
+    assert canonical.decode(b"\xc4\x01a") == b"a"
+    assert canonical.encode(1.5) == b"\xcb" + struct.pack(">d", 1.5)
+
+
+@pytest.mark.parametrize("data", [
+    b"\xce\x00\x00\x00\x05",                      # 5 as uint32 (fits positive fixint)
+    b"\xcc\x05",                                  # 5 as uint8
+    b"\xcd\x00\x80",                              # 128 as uint16 (fits uint8)
+    b"\xd0\xff",                                  # -1 as int8 (fits negative fixint)
+    b"\xca" + struct.pack(">f", 1.5),             # float32 instead of float64
+    msgpack.packb({"b": 1, "a": 2}),              # unsorted map keys
+    b"\xd9\x01a",                                 # str8 for a 1-byte string (fixstr fits)
+    b"\xdc\x00\x01\x01",                          # array16 for one element
+    b"\xde\x00\x01\xa1a\x01",                     # map16 for one entry
+    msgpack.packb(msgpack.Timestamp(5)),          # ext type (timestamp)
+    msgpack.packb(msgpack.ExtType(1, b"x")),      # ext type
+    msgpack.packb({b"a": 1}, use_bin_type=True),  # bin map key
+])
+def test_non_canonical_encodings_are_rejected(data):
+    with pytest.raises(AttestationError, match="not canonically encoded"):
+        canonical.decode(data)
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\xcb\x00", b"\x92\x01",                 # truncated
+    b"\x82\xa1a\x01\xa1a\x02",                     # duplicate key
+    b"\x81\x01\x02",                               # int map key
+    b"\xc1",                                       # reserved byte
+    b"\x05\x00",                                   # trailing byte
+])
+def test_malformed_msgpack_is_rejected(data):
+    with pytest.raises(AttestationError, match="not valid msgpack"):
+        canonical.decode(data)
+
+
+_scalars = (st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1)
+            | st.floats(allow_nan=False) | st.text(max_size=8) | st.binary(max_size=8))
+_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
+                       | st.dictionaries(st.text(max_size=4), inner, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(_values)
+def test_canonical_round_trip_and_order_independence(v):
+    data = canonical.encode(v)
+    assert canonical.decode(data) == v
+    assert canonical.encode(canonical.decode(data)) == data
+
+    def reverse(o):
+        if isinstance(o, dict):
+            return {k: reverse(o[k]) for k in reversed(list(o))}
+        if isinstance(o, list):
+            return [reverse(x) for x in o]
+        return o
+    assert canonical.encode(reverse(v)) == data
+
+
+def test_schema_matches_envelope_versions():
+    assert schema.FORMAT_VERSION == envelope.FORMAT_VERSION == 1
+    assert schema.CONTRACT_VERSIONS == (1,)

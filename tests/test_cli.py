@@ -1,0 +1,495 @@
+"""The ``bitexact`` command line as a subprocess: exit codes, one-line errors,
+nothing written on failure, and verification of real, tampered and re-signed
+attestations.
+
+The single real attestation of the session comes from tests/test_attest.py's
+:func:`artifact` (one ``bitexact run`` per session).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import stat
+import sys
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_attest import (_packb_sorted, artifact, assert_input_error, bx, sign_raw,  # noqa: E402
+                         split_envelope)
+
+from attest import canonical, envelope, keys  # noqa: E402
+from node.errors import KeyError_  # noqa: E402
+from node.synth import write_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    return artifact(tmp_path_factory)
+
+
+def listing(d) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+def write(path, data: bytes) -> str:
+    with open(path, "wb") as f:
+        f.write(data)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def enc_key(tmp_path_factory):
+    """A passphrase-protected key made with ``keygen --passphrase-file``."""
+    d = tmp_path_factory.mktemp("enc")
+    write(d / "pass.txt", b"correct horse\n")
+    p = bx(d, "keygen", "--out", "enc.pem", "--passphrase-file", "pass.txt")
+    assert p.returncode == 0, p.stderr
+    return d
+
+
+# --------------------------------------------------------------------------
+# keygen
+
+def test_keygen_writes_private_0600_and_public(tmp_path):
+    p = bx(tmp_path, "keygen", "--out", "KEY.pem")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""
+    assert listing(tmp_path) == ["KEY.pem", "KEY.pub.pem"]
+    assert stat.S_IMODE(os.stat(tmp_path / "KEY.pem").st_mode) == 0o600
+    key = keys.load_private(str(tmp_path / "KEY.pem"), require_private_mode=True)
+    pub = keys.load_public(str(tmp_path / "KEY.pub.pem"))
+    assert pub == keys.public_raw(key)
+    assert keys.key_id(pub) in p.stdout
+    assert b"ENCRYPTED" not in (tmp_path / "KEY.pem").read_bytes()
+
+
+def test_keygen_refuses_to_overwrite_the_private_key(tmp_path):
+    write(tmp_path / "KEY.pem", b"precious")
+    p = bx(tmp_path, "keygen", "--out", "KEY.pem")
+    assert "KEY.pem" in assert_input_error(p)
+    assert listing(tmp_path) == ["KEY.pem"]
+    assert (tmp_path / "KEY.pem").read_bytes() == b"precious"
+
+
+def test_keygen_refuses_to_overwrite_the_public_key(tmp_path):
+    write(tmp_path / "KEY.pub.pem", b"precious")
+    p = bx(tmp_path, "keygen", "--out", "KEY.pem")
+    assert "KEY.pub.pem" in assert_input_error(p)
+    assert listing(tmp_path) == ["KEY.pub.pem"]
+    assert (tmp_path / "KEY.pub.pem").read_bytes() == b"precious"
+
+
+def test_keygen_twice_keeps_the_first_key(tmp_path):
+    assert bx(tmp_path, "keygen", "--out", "KEY.pem").returncode == 0
+    before = {n: (tmp_path / n).read_bytes() for n in listing(tmp_path)}
+    assert_input_error(bx(tmp_path, "keygen", "--out", "KEY.pem"))
+    assert {n: (tmp_path / n).read_bytes() for n in listing(tmp_path)} == before
+
+
+@pytest.mark.parametrize("setup,args", [
+    (None, ["--out", "nodir/KEY.pem"]),
+    ("pass_missing", ["--out", "KEY.pem", "--passphrase-file", "nope.txt"]),
+    ("pass_empty", ["--out", "KEY.pem", "--passphrase-file", "empty.txt"]),
+])
+def test_keygen_errors_write_nothing(tmp_path, setup, args):
+    if setup == "pass_empty":
+        write(tmp_path / "empty.txt", b"\n")
+    before = listing(tmp_path)
+    assert_input_error(bx(tmp_path, "keygen", *args))
+    assert listing(tmp_path) == before
+
+
+def test_keygen_passphrase_file(enc_key):
+    pem = (enc_key / "enc.pem").read_bytes()
+    assert b"ENCRYPTED PRIVATE KEY" in pem
+    assert stat.S_IMODE(os.stat(enc_key / "enc.pem").st_mode) == 0o600
+    # The passphrase is the file's content without its trailing newline.
+    key = serialization.load_pem_private_key(pem, password=b"correct horse")
+    assert keys.public_raw(key) == keys.load_public(str(enc_key / "enc.pub.pem"))
+    with pytest.raises(KeyError_):
+        keys.load_private(str(enc_key / "enc.pem"))
+
+
+@pytest.fixture
+def cwd(tmp_path):
+    """An empty working folder for the command; tmp_path itself holds side files."""
+    d = tmp_path / "cwd"
+    d.mkdir()
+    return d
+
+
+@pytest.mark.parametrize("via", ["file", "env"])
+def test_run_with_the_right_passphrase_gets_past_the_key(enc_key, cwd, via):
+    # --max-tokens 0 fails after the key is loaded: the error is about the request, not the key.
+    extra, env = (["--passphrase-file", enc_key / "pass.txt"], None) if via == "file" else \
+        ([], {"BITEXACT_KEY_PASSPHRASE": "correct horse"})
+    p = bx(cwd, "run", "--key", enc_key / "enc.pem", *extra, "--prompt", "hi", "--max-tokens", "0",
+           "--device", "cpu", env=env)
+    assert "max tokens" in assert_input_error(p)
+    assert listing(cwd) == []
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("wrong", "wrong passphrase"),
+    ("env_wrong", "wrong passphrase"),
+    ("missing", "is encrypted: give its passphrase"),
+    ("empty_pass", "is empty"),
+    ("garbage", "is not a PEM private key"),
+    ("absent", "cannot read key"),
+    ("public", "is not a PEM private key"),
+    ("unencrypted_with_pass", "not encrypted"),
+])
+def test_run_with_a_bad_key_fails_and_writes_nothing(enc_key, art, tmp_path, cwd, case, needle):
+    key, extra, env = enc_key / "enc.pem", [], None
+    if case == "wrong":
+        extra = ["--passphrase-file", write(tmp_path / "wrong.txt", b"wrong horse\n")]
+    elif case == "env_wrong":
+        env = {"BITEXACT_KEY_PASSPHRASE": "wrong horse"}
+    elif case == "empty_pass":
+        extra = ["--passphrase-file", write(tmp_path / "empty.txt", b"")]
+    elif case == "garbage":
+        key = write(tmp_path / "garbage.pem", b"-----BEGIN PRIVATE KEY-----\nAAAA\n")
+    elif case == "absent":
+        key = tmp_path / "no-such-key.pem"
+    elif case == "public":
+        key = art.pub
+    elif case == "unencrypted_with_pass":
+        key, extra = art.key, ["--passphrase-file", enc_key / "pass.txt"]
+    p = bx(cwd, "run", "--key", key, *extra, "--prompt", "hi", "--max-tokens", "2", "--device", "cpu", env=env)
+    assert needle in assert_input_error(p)
+    assert listing(cwd) == []
+
+
+def test_run_with_an_unreadable_key(art, tmp_path, cwd):
+    if os.geteuid() == 0:
+        # root reads any file: use a folder in the key's place instead.
+        key = tmp_path / "dir.pem"
+        key.mkdir()
+    else:
+        key = tmp_path / "locked.pem"
+        shutil.copy(art.key, key)
+        os.chmod(key, 0)
+    p = bx(cwd, "run", "--key", key, "--prompt", "hi", "--max-tokens", "2", "--device", "cpu")
+    assert "cannot read key" in assert_input_error(p)
+    assert listing(cwd) == []
+
+
+# --------------------------------------------------------------------------
+# run: bad requests write nothing
+
+LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt", ""], "prompt is empty"),
+    (["--prompt", "   \n\t "], "prompt is empty"),
+    (["--prompt", LONG_PROMPT, "--ctx", "16"], "context holds 16"),
+    (["--prompt", "hi", "--max-tokens", "0"], "max tokens"),
+    (["--prompt", "hi", "--max-tokens", "-1"], "max tokens"),
+    (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
+    (["--prompt", "hi", "--temperature", "nan"], "temperature"),
+    (["--prompt", "hi", "--top-p", "0"], "top_p"),
+    (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+    (["--prompt", "hi", "--top-k", "-1"], "top_k"),
+    (["--prompt", "hi", "--seed", "-1"], "seed"),
+    (["--prompt", "hi", "--stop", ""], "stop"),
+    (["--prompt", "hi", "--ctx", "0"], "--ctx"),
+    (["--prompt", "hi", "--ctx", "100000000000"], "--ctx"),
+    (["--chat", "  "], "chat message is empty"),
+    (["--chat", "[1]"], "chat message"),
+    (["--chat", "[]"], "non-empty"),
+    (["--chat", '[{"role": "user", "content": 1}]'], "chat message"),
+    (["--chat", "[" * 100000], "not valid JSON"),
+    (["--prompt", "hi", "--model", "/no/such/model.gguf"], "not found"),
+    (["--prompt", "hi", "--model", "NOT_GGUF"], "GGUF"),
+    (["--prompt", "hi", "--model", "EMPTY_FILE"], "GGUF"),
+    (["--prompt", "hi", "--temperature", "warm"], "--temperature"),
+    (["--prompt", "hi", "--max-tokens", "two"], "--max-tokens"),
+    ([], "--prompt"),
+])
+def test_run_rejects_bad_requests(art, tmp_path, cwd, args, needle):
+    subs = {"NOT_GGUF": write(tmp_path / "model.gguf", b"this is not a GGUF file\n" * 10),
+            "EMPTY_FILE": write(tmp_path / "empty.gguf", b"")}
+    args = [subs.get(a, a) for a in args]
+    if "--max-tokens" not in args:
+        args += ["--max-tokens", "2"]
+    p = bx(cwd, "run", "--key", art.key, *args, "--device", "cpu")
+    assert needle in assert_input_error(p)
+    assert listing(cwd) == []                           # no .bxa, no temp file
+    assert listing(art.dir) == sorted(["node.pem", "node.pub.pem", os.path.basename(art.bxa)])
+
+
+def test_run_with_explicit_attestation_path_writes_nothing_on_failure(art, cwd):
+    p = bx(cwd, "run", "--key", art.key, "--prompt", "hi", "--top-p", "0", "--attestation", "out.bxa",
+           "--device", "cpu")
+    assert "top_p" in assert_input_error(p)
+    assert listing(cwd) == []
+
+
+def test_run_synthetic_model_without_vocab(art, tmp_path, cwd):
+    model = write_model(str(tmp_path / "syn.gguf"), shape=(64, 2, 4, 2, 96, 256), qtype="Q8_0")
+    p = bx(cwd, "run", "--key", art.key, "--prompt", "hi", "--model", model, "--max-tokens", "2",
+           "--device", "cpu")
+    assert "tokenizer" in assert_input_error(p)
+    assert listing(cwd) == []
+
+
+# --------------------------------------------------------------------------
+# verify: the real attestation
+
+def test_verify_ok(art, tmp_path):
+    shutil.copy(art.bxa, tmp_path / "a.bxa")
+    p = bx(tmp_path, "verify", "a.bxa")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("OK")
+    assert art.payload["output"]["digest"].hex() in lines[0]
+    assert f"{len(art.payload['output']['tokens'])} tokens" in lines[0]
+    assert p.stderr == ""
+    assert listing(tmp_path) == ["a.bxa"]
+
+
+def test_verify_ok_with_the_signers_trusted_key(art, tmp_path):
+    p = bx(tmp_path, "verify", art.bxa, "--trusted-key", art.pub, "--json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert rep["result"] == "OK" and rep["message"].startswith("OK")
+    assert rep["key_id"] == art.payload["signer"]["key_id"]
+    assert rep["first_divergent_step"] is None
+
+
+def test_verify_with_another_trusted_key(art, tmp_path):
+    assert bx(tmp_path, "keygen", "--out", "other.pem").returncode == 0
+    p = bx(tmp_path, "verify", art.bxa, "--trusted-key", "other.pub.pem")
+    assert "not by the trusted key" in assert_input_error(p)
+    assert p.stdout == ""
+
+
+@pytest.mark.parametrize("which", ["missing", "private", "garbage"])
+def test_verify_with_a_bad_trusted_key_file(art, tmp_path, which):
+    path = {"missing": str(tmp_path / "nope.pub.pem"), "private": art.key,
+            "garbage": write(tmp_path / "g.pub.pem", b"garbage")}[which]
+    assert_input_error(bx(tmp_path, "verify", art.bxa, "--trusted-key", path))
+
+
+# --------------------------------------------------------------------------
+# verify: files that are not attestations
+
+def _bad_files(art):
+    d = art.data
+    files = {f"cut{c}": d[:c] for c in (1, 2, 3, 24, len(d) // 2, len(d) - 65, len(d) - 1)}
+    files.update({
+        "empty": b"",
+        "random": bytes(hashlib.sha256(b"%d" % i).digest()[0] for i in range(700)),
+        "json": json.dumps({"format": "bitexact-attestation", "version": 1}).encode(),
+        "msgpack_other": canonical.encode({"hello": [1, 2, 3], "b": b"x"}),
+        "msgpack_list": canonical.encode(["bitexact-attestation", 1, b"x", b"y" * 32, b"z" * 64]),
+        "trailing": d + b"\x00",
+    })
+    return files
+
+
+@pytest.mark.parametrize("name", ["cut1", "cut2", "cut3", "cut24", "cut_half", "cut_sig", "cut_last",
+                                  "empty", "random", "json", "msgpack_other", "msgpack_list", "trailing"])
+def test_verify_rejects_non_attestations(art, tmp_path, name):
+    files = _bad_files(art)
+    key = {"cut_half": f"cut{len(art.data) // 2}", "cut_sig": f"cut{len(art.data) - 65}",
+           "cut_last": f"cut{len(art.data) - 1}"}.get(name, name)
+    write(tmp_path / "x.bxa", files[key])
+    for cmd in ("verify", "inspect"):
+        p = bx(tmp_path, cmd, "x.bxa")
+        assert_input_error(p)
+        assert p.stdout == ""
+    assert listing(tmp_path) == ["x.bxa"]
+
+
+@pytest.mark.parametrize("target", ["missing", "directory"])
+def test_verify_unreadable_attestation(tmp_path, target):
+    path = "nope.bxa" if target == "missing" else "."
+    assert "cannot read attestation" in assert_input_error(bx(tmp_path, "verify", path))
+    assert "cannot read attestation" in assert_input_error(bx(tmp_path, "inspect", path))
+
+
+# --------------------------------------------------------------------------
+# verify: versions, models and tampering
+
+def _payload_with(art, path, value):
+    p = copy.deepcopy(art.payload)
+    obj = p
+    for k in path[:-1]:
+        obj = obj[k]
+    obj[path[-1]] = value
+    return p
+
+
+def test_verify_unknown_envelope_version(art, tmp_path):
+    _, _, body, pub, sig = split_envelope(art.data)
+    write(tmp_path / "v.bxa", canonical.encode([envelope.MAGIC, 2, body, pub, sig]))
+    assert "unknown attestation format version 2" in assert_input_error(bx(tmp_path, "verify", "v.bxa"))
+
+
+@pytest.mark.parametrize("field,message", [("format_version", "unknown payload format version 2"),
+                                           ("contract_version", "unknown determinism-contract version 2")])
+def test_verify_unknown_payload_versions(art, tmp_path, field, message):
+    p = _payload_with(art, (field,), 2)
+    write(tmp_path / "v.bxa", sign_raw(p, art.private_key()))
+    assert message in assert_input_error(bx(tmp_path, "verify", "v.bxa"))
+    assert message in assert_input_error(bx(tmp_path, "inspect", "v.bxa"))
+
+
+def test_verify_with_a_model_of_another_digest(art, tmp_path):
+    model = write_model(str(tmp_path / "syn.gguf"), shape=(64, 2, 4, 2, 96, 256), qtype="Q8_0")
+    p = bx(tmp_path, "verify", art.bxa, "--model", model)
+    msg = assert_input_error(p)
+    assert "model digest differs" in msg and art.payload["model"]["sha256"] in msg
+    assert p.stdout == ""
+
+
+@pytest.mark.parametrize("which", ["missing", "not_gguf"])
+def test_verify_with_a_missing_or_bad_model(art, tmp_path, which):
+    path = str(tmp_path / "nope.gguf") if which == "missing" else write(tmp_path / "bad.gguf", b"GGUX" * 64)
+    assert_input_error(bx(tmp_path, "verify", art.bxa, "--model", path))
+
+
+def test_verify_resigned_with_unrunnable_context(art, tmp_path):
+    p = _payload_with(art, ("request", "n_ctx"), 10 ** 11)
+    write(tmp_path / "c.bxa", envelope.seal(p, art.private_key()))
+    assert "context length" in assert_input_error(bx(tmp_path, "verify", "c.bxa"))
+
+
+def test_inspect_and_verify_reject_ext_types_in_a_signed_payload(art, tmp_path):
+    import msgpack
+    p = _payload_with(art, ("device", "clock"), msgpack.Timestamp(5))
+    write(tmp_path / "t.bxa", sign_raw(None, art.private_key(), body=_packb_sorted(p)))
+    for args in (["inspect", "t.bxa"], ["inspect", "--json", "t.bxa"], ["verify", "t.bxa"]):
+        assert "not canonically encoded" in assert_input_error(bx(tmp_path, *args))
+
+
+@pytest.mark.parametrize("where", ["array_header", "magic", "version", "payload_first", "payload_mid",
+                                   "payload_last", "public_key", "signature_first", "signature_last", "last"])
+def test_verify_cli_rejects_single_byte_flips(art, tmp_path, where):
+    d = art.data
+    _, _, body, pub, sig = split_envelope(d)
+    b_at, k_at, s_at = d.index(body), d.rindex(pub), d.rindex(sig)
+    i = {"array_header": 0, "magic": 3, "version": 22, "payload_first": b_at, "payload_mid": b_at + len(body) // 2,
+         "payload_last": b_at + len(body) - 1, "public_key": k_at + 7, "signature_first": s_at,
+         "signature_last": s_at + 63, "last": len(d) - 1}[where]
+    if where == "version":
+        assert d[i] == 1
+    buf = bytearray(d)
+    buf[i] ^= 0xFF
+    write(tmp_path / "f.bxa", bytes(buf))
+    p = bx(tmp_path, "verify", "f.bxa")
+    assert_input_error(p)
+    assert p.stdout == ""
+
+
+def test_verify_cli_rejects_a_changed_field_under_the_old_signature(art, tmp_path):
+    _, version, body, pub, sig = split_envelope(art.data)
+    p = copy.deepcopy(art.payload)
+    p["output"]["tokens"][0] += 1
+    write(tmp_path / "f.bxa", canonical.encode([envelope.MAGIC, version, canonical.encode(p), pub, sig]))
+    assert "bad signature" in assert_input_error(bx(tmp_path, "verify", "f.bxa"))
+
+
+def _resealed_with_changed_token(art, k):
+    p = copy.deepcopy(art.payload)
+    got = p["output"]["tokens"][k]
+    forged = got ^ 1
+    p["output"]["tokens"][k] = forged
+    p["output"]["step_chain"][k] = hashlib.sha256(b"forged step %d" % k).digest()
+    blob = envelope.seal(p, art.private_key())
+    assert envelope.open_envelope(blob, keys.load_public(art.pub)) == p   # the signature is valid
+    return blob, forged, got
+
+
+def test_verify_fails_on_resigned_changed_output(art, tmp_path):
+    k = 1
+    blob, forged, got = _resealed_with_changed_token(art, k)
+    write(tmp_path / "r.bxa", blob)
+    p = bx(tmp_path, "verify", "r.bxa", "--trusted-key", art.pub)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert p.stderr == ""
+    lines = p.stdout.splitlines()
+    assert len(lines) == 1
+    assert lines[0] == f"FAIL: first divergent step {k}: expected token {forged}, got token {got}"
+
+
+def test_verify_fails_on_resigned_changed_first_token_json(art, tmp_path):
+    k = 0
+    blob, forged, got = _resealed_with_changed_token(art, k)
+    write(tmp_path / "r.bxa", blob)
+    p = bx(tmp_path, "verify", "r.bxa", "--json")
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    rep = json.loads(p.stdout)
+    assert rep["result"] == "FAIL"
+    assert (rep["first_divergent_step"], rep["expected_token"], rep["got_token"]) == (k, forged, got)
+    assert rep["message"].startswith("FAIL") and f"step {k}" in rep["message"]
+
+
+# --------------------------------------------------------------------------
+# inspect
+
+def _plain(v):
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _dict_leaves(obj, prefix=""):
+    for k, v in obj.items():
+        path = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict):
+            yield from _dict_leaves(v, path)
+        else:
+            yield path
+
+
+def test_inspect_prints_every_field(art, tmp_path):
+    p = bx(tmp_path, "inspect", art.bxa)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == f"signature: valid (Ed25519, key id {art.payload['signer']['key_id']})"
+    shown = {ln.split(": ", 1)[0] for ln in lines[1:]}
+    leaves = set(_dict_leaves(art.payload))
+    assert leaves == shown
+    for name in ("request.prompt", "output.tokens", "output.step_chain", "model.sha256", "signer.key_id",
+                 "engine.reference_sha256", "timestamp", "contract_version", "request.temperature"):
+        assert name in shown
+    assert f"request.prompt: {art.payload['request']['prompt']!r}" in lines
+    assert f"output.tokens: {json.dumps(art.payload['output']['tokens'])}" in lines
+    assert f"output.digest: '{art.payload['output']['digest'].hex()}'" in lines
+
+
+def test_inspect_json(art, tmp_path):
+    p = bx(tmp_path, "inspect", "--json", art.bxa)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == _plain(art.payload)
+
+
+def test_inspect_corrupt(art, tmp_path):
+    buf = bytearray(art.data)
+    buf[len(buf) // 2] ^= 0x01
+    write(tmp_path / "c.bxa", bytes(buf))
+    for args in (["inspect", "c.bxa"], ["inspect", "--json", "c.bxa"]):
+        p = bx(tmp_path, *args)
+        assert_input_error(p)
+        assert p.stdout == ""
+
+
+def test_usage_errors_are_one_line(tmp_path):
+    for args in ([], ["frobnicate"], ["verify"], ["run", "--prompt", "x"], ["keygen"]):
+        p = bx(tmp_path, *args)
+        assert_input_error(p)
+    assert listing(tmp_path) == []

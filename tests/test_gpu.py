@@ -1,0 +1,286 @@
+"""CUDA engine: every kernel equals its numpy twin bit for bit; whole-model logits
+equal the reference engine's bytes; batching never changes a sequence's bytes.
+
+Marked ``gpu``: run on the device by scripts/gpu_check.sh. Tests that need the
+default model are also marked ``default_model``.
+"""
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+import golden
+from node import reference as ref
+from node.engine import Engine
+from node.gguf_model import decode_blocks, default_model_path, dequantize_rows, float_values, load_model
+from node.synth import write_model
+
+pytestmark = pytest.mark.gpu
+F32 = np.float32
+QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+SHAPE = (256, 2, 4, 2, 512, 300)
+
+
+def sha(a):
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu-models")
+    return {q: load_model(write_model(str(d / f"{q}.gguf"), SHAPE, q, seed=21)) for q in QTYPES}
+
+
+@pytest.fixture(scope="module")
+def backends(models):
+    from node.backend_cuda import CudaBackend
+    return {q: CudaBackend(m, pin=None, kv_pages=64) for q, m in models.items()}
+
+
+def test_gpu_pinned_and_recorded(models):
+    from node.backend_cuda import CudaBackend, GpuError
+    with pytest.raises(GpuError, match="pinned"):
+        CudaBackend(models["Q8_0"], pin="Some Other GPU", kv_pages=8)
+    rec = CudaBackend(models["Q8_0"], kv_pages=8).device_record()   # default pin: this GPU
+    assert rec["gpu"] == "NVIDIA H200" and rec["compute_capability"] == "9.0"
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 40])
+def test_quantize_q8_twin(backends, m):
+    be = backends["Q8_0"]
+    rng = np.random.default_rng(m)
+    x = (rng.standard_normal((m, 512)) * 10 ** rng.uniform(-40, 5, (m, 1))).astype(F32)
+    x[0, :32] = 0.0
+    x[-1, 32:64] = np.float32(1e-44) * rng.integers(-5, 5, 32)   # subnormals
+    want = ref.quantize_q8(x)
+    got = [be.to_host(a) for a in be.launch_quantize_q8(be.from_host(x))]
+    got[0] = got[0].reshape(want[0].shape)
+    for w, g in zip(want, got):
+        assert w.tobytes() == g.tobytes()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("m", [1, 5, 8, 17])
+def test_matmul_twin(models, backends, qtype, m):
+    be, model = backends[qtype], models[qtype]
+    rng = np.random.default_rng(100 + m)
+    for name in ("blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "output.weight"):
+        t = model.tensors[name]
+        x = rng.standard_normal((m, t.cols)).astype(F32)
+        xq = ref.quantize_q8(x)
+        if qtype in ("F32", "F16", "BF16"):
+            want = ref.matmul_f(x, float_values(t))
+            got = be.launch_matmul_f(be.from_host(x), name)
+        else:
+            want = ref.matmul_q(xq, ref.RefQuantWeight(*decode_blocks(qtype, t.raw)))
+            got = be.launch_matmul_q(tuple(be.from_host(a.reshape(m, -1) if i == 0 else a)
+                                           for i, a in enumerate(xq)), name)
+        assert be.to_host(got).tobytes() == want.tobytes(), name
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_embed_twin(models, backends, qtype):
+    be, t = backends[qtype], models[qtype].tensors["token_embd.weight"]
+    toks = np.array([0, 5, 299, 17, 5], np.int64)
+    assert be.to_host(be.launch_embed(toks)).tobytes() == dequantize_rows(t, toks).tobytes()
+
+
+def test_elementwise_twins(backends):
+    be = backends["Q4_K"]
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((7, 256)) * 3).astype(F32)
+    w = rng.standard_normal(256).astype(F32)
+    assert be.to_host(be.launch_rms_norm(be.from_host(x), be.from_host(w), 1e-5)).tobytes() == \
+        ref.rms_norm(x, w, 1e-5).tobytes()
+    g = np.concatenate([rng.standard_normal(4000) * 30, [0.0, -0.0, 88.7, 89.0, -104.5, -103.9, 1e-40, -1e-40]])
+    g = g.astype(F32)
+    u = rng.standard_normal(g.size).astype(F32)
+    assert be.to_host(be.launch_silu_gate(be.from_host(g), be.from_host(u))).tobytes() == \
+        ref.silu_gate(g, u).tobytes()
+    assert be.to_host(be.launch_residual_add(be.from_host(g), be.from_host(u))).tobytes() == \
+        ref.residual_add(g, u).tobytes()
+    from node.rope_table import rope_table
+    cos, sin = rope_table(64, 4096, 10000.0)
+    pos = rng.integers(0, 4096, 9)
+    q = rng.standard_normal((9, 4, 64)).astype(F32)
+    got = be.launch_rope(be.from_host(q), be.from_host(cos[pos]), be.from_host(sin[pos]))
+    assert be.to_host(got).tobytes() == ref.rope(q, cos[pos], sin[pos]).tobytes()
+    logits = rng.standard_normal((3, 300)).astype(F32)
+    logits[1, [7, 9]] = 50.0        # tie: lowest id wins
+    idx, nan = be.launch_argmax(be.from_host(logits))
+    assert be.to_host(idx).tolist() == [int(np.argmax(r)) for r in logits] and not be.to_host(nan).any()
+
+
+def test_attention_twin_multi_split(models):
+    """Paged split-KV attention for one sequence past two split boundaries."""
+    from node.backend_cuda import CudaBackend
+    model = models["Q8_0"]
+    hp = model.hparams
+    be = CudaBackend(model, pin=None, kv_pages=16)
+    rng = np.random.default_rng(9)
+    n = 700
+    k = rng.standard_normal((n, hp.n_head_kv, hp.head_dim)).astype(F32)
+    v = rng.standard_normal((n, hp.n_head_kv, hp.head_dim)).astype(F32)
+    q = (rng.standard_normal((n, hp.n_head, hp.head_dim)) * 3).astype(F32)
+    be.kv_alloc(1)
+    pos = np.arange(n)
+    be.begin_step([(1, 0, n)], pos)
+    got = be.to_host(be.attend(0, be.from_host(q), be.from_host(k), be.from_host(v)))
+    want = ref.attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), pos)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_golden_synthetic_on_gpu(tmp_path, qtype):
+    model = load_model(golden.synth_case(tmp_path, qtype))
+    assert golden.logits_sha(Engine(model, "cuda", pin=None, kv_pages=16), golden.SYNTH_TOKENS) == \
+        golden.GOLDEN_SYNTH[qtype]
+
+
+def step_logits(engine, toks, steps):
+    """All prefill logits, then greedy decode logits, concatenated."""
+    seq = engine.new_sequence()
+    out = [engine.forward([(seq, toks)], all_logits=True)[0]]
+    for _ in range(steps):
+        t = int(np.argmax(out[-1][-1]))
+        out.append(engine.forward([(seq, [t])], all_logits=True)[0])
+    engine.release(seq)
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("shape", ["smollm2", "llama-1b", "llama-8b"])
+@pytest.mark.parametrize("qtype", ["BF16", "Q8_0", "Q4_K"])
+def test_real_shapes_equal_reference(tmp_path, shape, qtype):
+    """Real model shapes (first 2 layers) in BF16, Q8_0 and Q4_K: GPU bytes == numpy bytes."""
+    model = load_model(write_model(str(tmp_path / "m.gguf"), shape, qtype, seed=4, n_layer=2))
+    n = 4 if shape == "llama-8b" else 12
+    toks = list(np.random.default_rng(1).integers(0, model.hparams.n_vocab, n))
+    steps = 1 if shape == "llama-8b" else 3
+    gpu = step_logits(Engine(model, "cuda", pin=None, kv_pages=16), toks, steps)
+    cpu = step_logits(Engine(model, "cpu"), toks, steps)
+    assert gpu.tobytes() == cpu.tobytes()
+
+
+def test_batches_1_to_64_chunked_and_prefix_reuse(models):
+    """Random batches of 1..64 sequences, random prefill chunks, token-by-token
+    prefill and prefix reuse: every target's logits equal its solo GPU and CPU bytes."""
+    model = models["Q4_1"]
+    rng = np.random.default_rng(77)
+    gpu = Engine(model, "cuda", pin=None, kv_pages=1024)
+    cpu_solo = {}
+    for trial in range(12):
+        n_seq = int(rng.integers(1, 65))
+        prompts = [rng.integers(0, 300, int(rng.integers(1, 300))).tolist() for _ in range(n_seq)]
+        seqs = [gpu.new_sequence() for _ in prompts]
+        mode = trial % 3                      # 0 random chunks, 1 token by token, 2 prefix reuse
+        if mode == 2:
+            donor = gpu.new_sequence()
+            gpu.forward([(donor, prompts[0])])
+            k = int(rng.integers(0, len(prompts[0])))
+            gpu.release(seqs[0])
+            seqs[0] = gpu.fork(donor, k)
+            gpu.release(donor)
+            done = [k] + [0] * (n_seq - 1)
+        else:
+            done = [0] * n_seq
+        got = [[] for _ in prompts]
+        while any(d < len(p) for d, p in zip(done, prompts)):
+            step, who = [], []
+            for i in rng.permutation(n_seq):
+                if done[i] < len(prompts[i]) and rng.random() < 0.8:
+                    c = 1 if mode == 1 else int(rng.integers(1, 70))
+                    step.append((seqs[i], prompts[i][done[i]:done[i] + c]))
+                    who.append(i)
+            if not step:
+                continue
+            for i, lg in zip(who, gpu.forward(step, all_logits=True)):
+                got[i].append(lg)
+                done[i] += lg.shape[0]
+        for i in range(n_seq):
+            gpu.release(seqs[i])
+            tail = np.concatenate(got[i]) if got[i] else np.zeros((0, 300), F32)
+            key = tuple(prompts[i])
+            if key not in cpu_solo:
+                e = Engine(model, "cpu")
+                s = e.new_sequence()
+                cpu_solo[key] = e.forward([(s, prompts[i])], all_logits=True)[0]
+            start = len(prompts[i]) - tail.shape[0]
+            assert tail.tobytes() == cpu_solo[key][start:].tobytes(), (trial, i)
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return load_model(os.environ.get("BITEXACT_MODEL") or default_model_path())
+
+
+@pytest.mark.default_model
+def test_default_model_golden_on_gpu(default_model):
+    from node.tokenizer import Tokenizer
+    eng = Engine(default_model, "cuda", n_ctx=512)
+    assert golden.default_output_digest(eng, Tokenizer(default_model)) == golden.GOLDEN_DEFAULT
+
+
+@pytest.mark.default_model
+def test_default_model_steps_equal_reference(default_model):
+    toks = [1, 504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 8524, 314]
+    gpu = step_logits(Engine(default_model, "cuda", n_ctx=512), toks, 6)
+    cpu = step_logits(Engine(default_model, "cpu", n_ctx=512), toks, 6)
+    assert gpu.tobytes() == cpu.tobytes()
+
+
+@pytest.mark.default_model
+def test_ten_thousand_runs_one_digest(default_model):
+    """10,000 runs of one request over random batch compositions give one output digest."""
+    from attest import digest
+    rng = np.random.default_rng(2026)
+    request = [1, 504, 3575, 282, 2914, 314]
+    steps = 3
+    eng = Engine(default_model, "cuda", n_ctx=512, kv_pages=512)
+
+    def run_wave(n_runs, n_others):
+        kinds = ["run"] * n_runs + ["other"] * n_others
+        rng.shuffle(kinds)
+        seqs = [eng.new_sequence() for _ in kinds]
+        prompts = [request if k == "run" else rng.integers(0, 49152, int(rng.integers(1, 40))).tolist()
+                   for k in kinds]
+        done = [0] * len(kinds)
+        last = [None] * len(kinds)
+        while any(d < len(p) for d, p in zip(done, prompts)):   # random chunked prefill
+            step, who = [], []
+            for i in rng.permutation(len(kinds)):
+                if done[i] < len(prompts[i]):
+                    c = int(rng.integers(1, 8))
+                    step.append((seqs[i], prompts[i][done[i]:done[i] + c]))
+                    who.append(i)
+            for i, lg in zip(who, eng.forward(step)):
+                done[i] = eng.length(seqs[i])
+                last[i] = lg
+        links = [digest.sha256(b"start")] * len(kinds)
+        for _ in range(steps):
+            toks = [int(np.argmax(lg)) for lg in last]
+            links = [digest.chain_step(l_, t, lg) for l_, t, lg in zip(links, toks, last)]
+            order = rng.permutation(len(kinds))
+            outs = eng.forward([(seqs[i], [toks[i]]) for i in order])
+            for i, lg in zip(order, outs):
+                last[i] = lg
+        for s in seqs:
+            eng.release(s)
+        return {links[i].hex() for i, k in enumerate(kinds) if k == "run"}
+
+    digests, runs = set(), 0
+    while runs < 10_000:
+        n_runs = int(min(10_000 - runs, rng.integers(1, 49)))
+        digests |= run_wave(n_runs, int(rng.integers(0, 17)))
+        runs += n_runs
+    assert len(digests) == 1
+    cpu = Engine(default_model, "cpu", n_ctx=512)
+    s = cpu.new_sequence()
+    lg = cpu.forward([(s, request)])[0]
+    link = digest.sha256(b"start")
+    for _ in range(steps):
+        t = int(np.argmax(lg))
+        link = digest.chain_step(link, t, lg)
+        lg = cpu.forward([(s, [t])])[0]
+    assert digests == {link.hex()}
