@@ -140,6 +140,9 @@ def load_model(path: str) -> Model:
             raise ModelError(f"tensor {t.name} has unsupported quant type {qtype} "
                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
         raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+        bb, be = BLOCK_BYTES.get(qtype, ({"F32": 4, "F16": 2, "BF16": 2}.get(qtype, 0), 1))
+        if cols % be or raw.shape[1] != cols // be * bb:
+            raise ModelError(f"tensor {t.name}: {raw.shape[1]} bytes per row do not hold {cols} {qtype} values")
         tensors[t.name] = Tensor(t.name, qtype, rows, cols, raw)
 
     n_layer = int(need("block_count"))

@@ -68,7 +68,7 @@ def quantize_q8(x: np.ndarray):
     d = np.max(np.abs(xb), axis=-1) / F32(127.0)
     safe = np.where(d > 0, d, F32(1.0))
     q = np.where(d[..., None] > 0, np.clip(np.rint(xb / safe[..., None]), -127, 127), 0).astype(np.int8)
-    return q, d.astype(F32), q.astype(np.int32).sum(axis=-1)
+    return q, d.astype(F32), q.astype(np.int32).sum(axis=-1, dtype=np.int32)
 
 
 def matmul_q(xq, w) -> np.ndarray:

@@ -48,7 +48,8 @@ def write_model(path: str, shape: str | tuple = "tiny", qtype: str = "Q8_0", see
     """Write a synthetic llama GGUF to ``path`` and return ``path``.
 
     ``shape`` is a key of :data:`SHAPES` or a tuple in its layout; ``qtype``
-    (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) is used for every matrix;
+    (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) is used for every matrix
+    (K-quant matrices whose K is not a multiple of 256 are written as Q8_0);
     ``n_layer`` overrides the layer count (for truncated big shapes).
     """
     import gguf
@@ -71,9 +72,11 @@ def write_model(path: str, shape: str | tuple = "tiny", qtype: str = "Q8_0", see
     w.add_vocab_size(n_vocab)
 
     def matrix(name, rows, cols, scale):
-        if qtype in BLOCK_BYTES:
-            raw = _quant_rows(rng, qtype, rows, cols, scale)
-            w.add_tensor(name, raw, raw_shape=(rows, raw.shape[1]), raw_dtype=gguf.GGMLQuantizationType[qtype])
+        # K-quants need K % 256 == 0; like llama.cpp's quantizer, fall back to Q8_0 otherwise.
+        qt = "Q8_0" if qtype in ("Q4_K", "Q6_K") and cols % 256 else qtype
+        if qt in BLOCK_BYTES:
+            raw = _quant_rows(rng, qt, rows, cols, scale)
+            w.add_tensor(name, raw, raw_shape=(rows, raw.shape[1]), raw_dtype=gguf.GGMLQuantizationType[qt])
         else:
             vals = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
             if qtype == "F16":

@@ -18,7 +18,6 @@ import sys
 
 import pytest
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_attest import (_packb_sorted, artifact, assert_input_error, bx, sign_raw,  # noqa: E402

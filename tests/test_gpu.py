@@ -27,6 +27,19 @@ def sha(a):
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
+def assert_same(want, got, what=""):
+    """Byte equality; on failure name the first differing element and both values."""
+    want, got = np.asarray(want), np.asarray(got)
+    assert want.shape == got.shape and want.dtype == got.dtype, (what, want.shape, got.shape, got.dtype)
+    if want.tobytes() != got.tobytes():
+        wb = want.reshape(-1).view(np.uint8 if want.itemsize == 1 else f"u{want.itemsize}")
+        gb = got.reshape(-1).view(wb.dtype)
+        i = int(np.flatnonzero(wb != gb)[0])
+        raise AssertionError(f"{what}: {int((wb != gb).sum())} of {wb.size} differ; first at flat {i} "
+                             f"(index {np.unravel_index(i, want.shape)}): want {want.reshape(-1)[i]!r} "
+                             f"got {got.reshape(-1)[i]!r}")
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu-models")
@@ -57,8 +70,8 @@ def test_quantize_q8_twin(backends, m):
     want = ref.quantize_q8(x)
     got = [be.to_host(a) for a in be.launch_quantize_q8(be.from_host(x))]
     got[0] = got[0].reshape(want[0].shape)
-    for w, g in zip(want, got):
-        assert w.tobytes() == g.tobytes()
+    for w, g, what in zip(want, got, ("q", "d", "a")):
+        assert_same(w, g, what)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -77,14 +90,14 @@ def test_matmul_twin(models, backends, qtype, m):
             want = ref.matmul_q(xq, ref.RefQuantWeight(*decode_blocks(qtype, t.raw)))
             got = be.launch_matmul_q(tuple(be.from_host(a.reshape(m, -1) if i == 0 else a)
                                            for i, a in enumerate(xq)), name)
-        assert be.to_host(got).tobytes() == want.tobytes(), name
+        assert_same(want, be.to_host(got), name)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_embed_twin(models, backends, qtype):
     be, t = backends[qtype], models[qtype].tensors["token_embd.weight"]
     toks = np.array([0, 5, 299, 17, 5], np.int64)
-    assert be.to_host(be.launch_embed(toks)).tobytes() == dequantize_rows(t, toks).tobytes()
+    assert_same(dequantize_rows(t, toks), be.to_host(be.launch_embed(toks)), "embed")
 
 
 def test_elementwise_twins(backends):
@@ -92,21 +105,20 @@ def test_elementwise_twins(backends):
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((7, 256)) * 3).astype(F32)
     w = rng.standard_normal(256).astype(F32)
-    assert be.to_host(be.launch_rms_norm(be.from_host(x), be.from_host(w), 1e-5)).tobytes() == \
-        ref.rms_norm(x, w, 1e-5).tobytes()
+    assert_same(ref.rms_norm(x, w, 1e-5), be.to_host(be.launch_rms_norm(be.from_host(x), be.from_host(w), 1e-5)),
+                "rms_norm")
     g = np.concatenate([rng.standard_normal(4000) * 30, [0.0, -0.0, 88.7, 89.0, -104.5, -103.9, 1e-40, -1e-40]])
     g = g.astype(F32)
     u = rng.standard_normal(g.size).astype(F32)
-    assert be.to_host(be.launch_silu_gate(be.from_host(g), be.from_host(u))).tobytes() == \
-        ref.silu_gate(g, u).tobytes()
-    assert be.to_host(be.launch_residual_add(be.from_host(g), be.from_host(u))).tobytes() == \
-        ref.residual_add(g, u).tobytes()
+    assert_same(ref.silu_gate(g, u), be.to_host(be.launch_silu_gate(be.from_host(g), be.from_host(u))), "silu")
+    assert_same(ref.residual_add(g, u), be.to_host(be.launch_residual_add(be.from_host(g), be.from_host(u))),
+                "residual")
     from node.rope_table import rope_table
     cos, sin = rope_table(64, 4096, 10000.0)
     pos = rng.integers(0, 4096, 9)
     q = rng.standard_normal((9, 4, 64)).astype(F32)
     got = be.launch_rope(be.from_host(q), be.from_host(cos[pos]), be.from_host(sin[pos]))
-    assert be.to_host(got).tobytes() == ref.rope(q, cos[pos], sin[pos]).tobytes()
+    assert_same(ref.rope(q, cos[pos], sin[pos]), be.to_host(got), "rope")
     logits = rng.standard_normal((3, 300)).astype(F32)
     logits[1, [7, 9]] = 50.0        # tie: lowest id wins
     idx, nan = be.launch_argmax(be.from_host(logits))
@@ -129,7 +141,7 @@ def test_attention_twin_multi_split(models):
     be.begin_step([(1, 0, n)], pos)
     got = be.to_host(be.attend(0, be.from_host(q), be.from_host(k), be.from_host(v)))
     want = ref.attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), pos)
-    assert got.tobytes() == want.tobytes()
+    assert_same(want, got, "attention")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -160,7 +172,7 @@ def test_real_shapes_equal_reference(tmp_path, shape, qtype):
     steps = 1 if shape == "llama-8b" else 3
     gpu = step_logits(Engine(model, "cuda", pin=None, kv_pages=16), toks, steps)
     cpu = step_logits(Engine(model, "cpu"), toks, steps)
-    assert gpu.tobytes() == cpu.tobytes()
+    assert_same(cpu, gpu, "logits")
 
 
 def test_batches_1_to_64_chunked_and_prefix_reuse(models):
@@ -207,7 +219,7 @@ def test_batches_1_to_64_chunked_and_prefix_reuse(models):
                 s = e.new_sequence()
                 cpu_solo[key] = e.forward([(s, prompts[i])], all_logits=True)[0]
             start = len(prompts[i]) - tail.shape[0]
-            assert tail.tobytes() == cpu_solo[key][start:].tobytes(), (trial, i)
+            assert_same(cpu_solo[key][start:], tail, f"trial {trial} seq {i}")
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +239,7 @@ def test_default_model_steps_equal_reference(default_model):
     toks = [1, 504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 8524, 314]
     gpu = step_logits(Engine(default_model, "cuda", n_ctx=512), toks, 6)
     cpu = step_logits(Engine(default_model, "cpu", n_ctx=512), toks, 6)
-    assert gpu.tobytes() == cpu.tobytes()
+    assert_same(cpu, gpu, "logits")
 
 
 @pytest.mark.default_model
