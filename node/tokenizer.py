@@ -15,8 +15,10 @@ class Tokenizer:
     """Tokenize and detokenize with the vocabulary stored in ``model``'s GGUF file."""
 
     def __init__(self, model: Model):
-        import llama_cpp
-
+        try:
+            import llama_cpp
+        except ImportError as e:
+            raise ModelError(f"the tokenizer needs llama-cpp-python: {e}") from None
         self.model = model
         saved = os.dup(2)
         try:  # llama.cpp prints loader chatter on fd 2 even with verbose=False
