@@ -86,11 +86,16 @@ class CpuBackend:
         k, v = self._kv[src]
         self._kv[dst] = [k[:, :, :max(n, 64)].copy(), v[:, :, :max(n, 64)].copy()]
 
-    def begin_step(self, spans, pos) -> None:
+    def run(self, forward, tok, pos, rows) -> np.ndarray:
+        """Run the engine's device pass; returns host fp32 logits ``[R, n_vocab]``."""
+        return forward(tok, pos, rows)
+
+    def begin_step(self, spans, pos, decode: bool = False) -> None:
         """Make room in each sequence's cache for this step's tokens.
 
         ``spans``: ``(seq, a, b)``, the step's token rows ``a:b`` belong to
-        ``seq``; ``pos`` int ``[M]`` the tokens' positions.
+        ``seq``; ``pos`` int ``[M]`` the tokens' positions; ``decode`` says
+        every chunk is one token (unused on the CPU).
         """
         self._spans, self._pos = spans, pos
         for seq, a, b in spans:

@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.cu", "residual.cu",
                 "embed.cu", "sampler.cu")
 MQ_TM = 8  # tokens per warp in matmul_q / matmul_f (cuda/matmul.cu)
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes replayed through CUDA graphs
 
 
 class GpuError(BitexactError):
@@ -103,9 +104,12 @@ def _check(cond: bool, what: str) -> None:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, model: Model, pin: str | None = DEFAULT_PIN, kv_pages: int | None = None):
+    def __init__(self, model: Model, pin: str | None = DEFAULT_PIN, kv_pages: int | None = None,
+                 graphs: bool = True, n_ctx: int = 8192):
         cp = self.xp = _cupy()
         self.cp = cp
+        self.stream = cp.cuda.Stream(non_blocking=True)   # graphs cannot capture the legacy stream
+        self.stream.use()
         props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
         self.gpu_name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         self.cc = f"{props['major']}.{props['minor']}"
@@ -139,8 +143,13 @@ class CudaBackend:
             self.vp = cp.empty(shape, cp.float32)
         except cp.cuda.memory.OutOfMemoryError as e:
             raise GpuError(f"out of GPU memory while loading the model: {e}") from None
-        self._free_pages = list(range(kv_pages - 1, -1, -1))
+        self._free_pages = list(range(kv_pages - 1, 0, -1))
+        self._scratch_page = 0            # written by the padding rows of graph buckets, never read as data
         self._pages: dict[int, list[int]] = {}
+        self.graphs = graphs
+        self.max_splits = -(-n_ctx // SPLIT_KV)
+        self._graph_cache: dict[int, dict] = {}
+        self._entry = None
 
     # ---- host/device -------------------------------------------------------
     def to_host(self, x) -> np.ndarray:
@@ -327,24 +336,92 @@ class CudaBackend:
             self.kp[:, dp] = self.kp[:, sp]
             self.vp[:, dp] = self.vp[:, sp]
 
-    def begin_step(self, spans, pos) -> None:
-        """Allocate pages for this step's positions and upload the per-token page tables."""
+    def begin_step(self, spans, pos, decode: bool = False) -> None:
+        """Allocate pages for this step's positions and fill the per-token page tables.
+
+        A decode step (one token per sequence, at most 64 sequences) is padded
+        to a graph bucket: padding rows use token 0 at position 0 on the
+        scratch page, and tables have a fixed ``max_splits`` columns, so the
+        step can replay a captured CUDA graph. Per-row results do not depend
+        on the padding (every op is per row).
+        """
+        with self.stream:
+            self._begin_step(spans, pos, decode)
+
+    def _begin_step(self, spans, pos, decode):
         cp = self.cp
         for seq, a, b in spans:
             self._grow(seq, int(pos[b - 1]) + 1)
         m = len(pos)
-        self._max_splits = int(pos.max()) // SPLIT_KV + 1
-        tab = np.zeros((m, self._max_splits), np.int32)
-        tok_page = np.empty(m, np.int32)
+        bucket = next((b for b in GRAPH_BUCKETS if b >= m), None) if decode and self.graphs else None
+        rows = bucket or m
+        ms = self.max_splits if bucket else int(pos.max()) // SPLIT_KV + 1
+        tab = np.full((rows, ms), self._scratch_page, np.int32)
+        tok_page = np.full(rows, self._scratch_page, np.int32)
         for seq, a, b in spans:
             pg = self._pages[seq]
-            n = min(len(pg), self._max_splits)
+            n = min(len(pg), ms)
             tab[a:b, :n] = pg[:n]
             tok_page[a:b] = [pg[p // SPLIT_KV] for p in pos[a:b]]
-        self._page_tab = cp.asarray(tab)
-        self._tok_page = cp.asarray(tok_page)
-        self._tok_slot = cp.asarray((pos % SPLIT_KV).astype(np.int32))
-        self._qpos = cp.asarray(pos.astype(np.int32))
+        qpos = np.zeros(rows, np.int32)
+        qpos[:m] = pos
+        self._max_splits = ms
+        if bucket is None:
+            self._entry = None
+            self._page_tab, self._tok_page = cp.asarray(tab), cp.asarray(tok_page)
+            self._tok_slot, self._qpos = cp.asarray(qpos % SPLIT_KV), cp.asarray(qpos)
+            return
+        e = self._graph_cache.get(bucket)
+        if e is None:
+            pool = cp.cuda.MemoryPool()
+            with cp.cuda.using_allocator(pool.malloc):
+                e = {"pool": pool, "graph": None, "rows": cp.arange(bucket, dtype=cp.int64),
+                     "tok": cp.zeros(bucket, cp.int64), "pos": cp.zeros(bucket, cp.int64),
+                     "tab": cp.empty((bucket, ms), cp.int32), "page": cp.empty(bucket, cp.int32),
+                     "slot": cp.empty(bucket, cp.int32), "qpos": cp.empty(bucket, cp.int32)}
+            self._graph_cache[bucket] = e
+        e["tab"].set(tab)
+        e["page"].set(tok_page)
+        e["slot"].set(qpos % SPLIT_KV)
+        e["qpos"].set(qpos)
+        self._page_tab, self._tok_page, self._tok_slot, self._qpos = e["tab"], e["page"], e["slot"], e["qpos"]
+        self._entry = e
+
+    def run(self, forward, tok, pos, rows) -> np.ndarray:
+        """Run the engine's device pass; returns host fp32 logits ``[R, n_vocab]``.
+
+        Decode steps replay the bucket's CUDA graph, captured on first use in
+        a memory pool of its own (so no later allocation can reuse the
+        graph's buffers); other steps launch eagerly.
+        """
+        cp = self.cp
+        e = self._entry
+        try:
+            with self.stream:
+                return self._run(forward, tok, pos, rows, e)
+        except cp.cuda.memory.OutOfMemoryError as err:
+            raise GpuError(f"out of GPU memory in a step of {len(tok)} tokens: {err}") from None
+
+    def _run(self, forward, tok, pos, rows, e):
+        cp = self.cp
+        if e is None:
+            return self.to_host(forward(cp.asarray(tok), cp.asarray(pos), cp.asarray(rows)))
+        m = len(tok)
+        padded = np.zeros(e["tok"].size, np.int64)
+        padded[:m] = tok
+        e["tok"].set(padded)
+        padded[:m] = pos
+        e["pos"].set(padded)
+        if e["graph"] is None:
+            with cp.cuda.using_allocator(e["pool"].malloc):
+                forward(e["tok"], e["pos"], e["rows"])          # warm the pool: no cudaMalloc in capture
+                self.stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
+                try:
+                    e["out"] = forward(e["tok"], e["pos"], e["rows"])
+                finally:
+                    e["graph"] = self.stream.end_capture()
+        e["graph"].launch(self.stream)
+        return self.to_host(e["out"][:m])
 
     def attend(self, layer, q, k, v):
         self.launch_kv_store(layer, self.cp.ascontiguousarray(k), self.cp.ascontiguousarray(v))

@@ -37,7 +37,7 @@ class Engine:
             self.backend = CpuBackend(model)
         elif device == "cuda":
             from .backend_cuda import CudaBackend
-            self.backend = CudaBackend(model, **cuda_opts)
+            self.backend = CudaBackend(model, n_ctx=self.n_ctx, **cuda_opts)
         else:
             raise RequestError(f"unknown device {device!r} (expected cpu or cuda)")
         self.device = device
@@ -104,10 +104,27 @@ class Engine:
         if tok_arr.min() < 0 or tok_arr.max() >= hp.n_vocab:
             raise RequestError(f"token id out of range [0, {hp.n_vocab})")
         pos_arr = np.asarray(pos, np.int64)
-        m = len(toks)
-        cos, sin = self._cos[be.from_host(pos_arr)], self._sin[be.from_host(pos_arr)]
-        be.begin_step([(seq, a, b) for (seq, _), (a, b) in zip(chunks, spans)], pos_arr)
-        x = be.embed(tok_arr)
+        rows = np.arange(len(toks)) if all_logits else np.asarray([b - 1 for _, b in spans])
+        decode = not all_logits and all(len(tk) == 1 for _, tk in chunks)
+        be.begin_step([(seq, a, b) for (seq, _), (a, b) in zip(chunks, spans)], pos_arr, decode)
+        logits = be.run(self._device_forward, tok_arr, pos_arr, rows)
+        for (seq, tk) in chunks:
+            self._len[seq] += len(tk)
+        if np.isnan(logits).any():
+            raise NumericFault("NaN in logits: the forward pass faulted")
+        if all_logits:
+            return [logits[a:b] for a, b in spans]
+        return [logits[i] for i in range(len(chunks))]
+
+    def _device_forward(self, tok, pos, rows):
+        """The layer stack on backend arrays: token ids int64 ``[M]``, positions
+        int64 ``[M]``, the rows whose logits are wanted int64 ``[R]``; returns
+        fp32 logits ``[R, n_vocab]`` on the backend. No host synchronisation, so
+        the CUDA backend can capture it in a graph."""
+        hp, be = self.hp, self.backend
+        m = tok.shape[0]
+        cos, sin = self._cos[pos], self._sin[pos]
+        x = be.embed(tok)
         for layer in range(hp.n_layer):
             p = f"blk.{layer}."
             h = be.rms_norm(x, p + "attn_norm.weight")
@@ -125,14 +142,5 @@ class Engine:
             u = be.linear(h, hq, p + "ffn_up.weight")
             a_ = be.silu_gate(g, u)
             x = be.residual_add(x, be.linear(a_, be.quantize(a_), p + "ffn_down.weight"))
-        for (seq, tk) in chunks:
-            self._len[seq] += len(tk)
-        rows = np.arange(m) if all_logits else np.asarray([b - 1 for _, b in spans])
-        xs = x[be.from_host(rows)]
-        h = be.rms_norm(xs, "output_norm.weight")
-        logits = be.to_host(be.linear(h, be.quantize(h), self.model.output.name))
-        if np.isnan(logits).any():
-            raise NumericFault("NaN in logits: the forward pass faulted")
-        if all_logits:
-            return [logits[a:b] for a, b in spans]
-        return [logits[i] for i in range(len(chunks))]
+        h = be.rms_norm(x[rows], "output_norm.weight")
+        return be.linear(h, be.quantize(h), self.model.output.name)

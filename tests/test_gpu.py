@@ -296,3 +296,42 @@ def test_ten_thousand_runs_one_digest(default_model):
         link = digest.chain_step(link, t, lg)
         lg = cpu.forward([(s, [t])])[0]
     assert digests == {link.hex()}
+
+
+def test_graph_replay_equals_eager(models):
+    """Decode steps replayed through CUDA graphs (padded buckets) equal eager launches."""
+    model = models["Q4_K"]
+    rng = np.random.default_rng(3)
+    outs = []
+    for graphs in (True, False):
+        eng = Engine(model, "cuda", pin=None, kv_pages=64, graphs=graphs)
+        seqs = [eng.new_sequence() for _ in range(5)]
+        eng.forward([(s, rng.integers(0, 300, 20 + 7 * i).tolist()) for i, s in enumerate(seqs)])
+        steps = []
+        for t in range(6):
+            live = seqs[: 5 - t % 3]                     # batch sizes 5, 4, 3: buckets 8 and 4
+            steps.append(np.stack(eng.forward([(s, [t + 1]) for s in live])))
+        outs.append(steps)
+        rng = np.random.default_rng(3)
+    for a, b in zip(*outs):
+        assert_same(b, a, "graph vs eager")
+
+
+def test_kv_out_of_pages_fails_cleanly(models):
+    """A step that cannot get KV pages fails before computing; other sequences are intact."""
+    from node.backend_cuda import GpuError
+    model = models["Q8_0"]
+    toks = list(range(1, 200))
+    want = step_logits(Engine(model, "cpu"), toks, 4)
+    eng = Engine(model, "cuda", pin=None, kv_pages=3)       # page 0 is scratch: 2 usable pages
+    a = eng.new_sequence()
+    first = eng.forward([(a, toks)], all_logits=True)[0]
+    b = eng.new_sequence()
+    with pytest.raises(GpuError, match="KV cache full"):
+        eng.forward([(b, list(range(600)))])
+    eng.release(b)
+    got = [first]
+    for _ in range(4):
+        t = int(np.argmax(got[-1][-1]))
+        got.append(eng.forward([(a, [t])], all_logits=True)[0])
+    assert_same(want, np.concatenate(got), "after failed step")
