@@ -68,10 +68,12 @@ __device__ __forceinline__ void bx_load_block(const unsigned char* __restrict__ 
         bx_q4k_scale_min(sup + 4, j, &sc, &mn);
         *s = __fmul_rn(bx_half(bx_u16(sup)), (float)sc);
         *o = -__fmul_rn(bx_half(bx_u16(sup + 2)), (float)mn);
-        const unsigned char* qs = sup + 16 + 32 * (j >> 1);
+        const uint4* qs = (const uint4*)(sup + 16 + 32 * (j >> 1));  // 16-byte aligned
         int sh = 4 * (j & 1);
+        uint4 a = qs[0], c = qs[1];
+        unsigned int u[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
 #pragma unroll
-        for (int w = 0; w < 8; ++w) codes[w] = (int)((bx_u32_a2(qs + 4 * w) >> sh) & 0x0F0F0F0Fu);
+        for (int w = 0; w < 8; ++w) codes[w] = (int)((u[w] >> sh) & 0x0F0F0F0Fu);
     } else {  // BX_Q6_K
         const unsigned char* sup = row + 210 * (b >> 3);
         int sb = b & 7;
@@ -151,15 +153,46 @@ extern "C" __global__ void matmul_f(const unsigned char* __restrict__ W, int wty
     float acc[MQ_TM];
 #pragma unroll
     for (int t = 0; t < MQ_TM; ++t) acc[t] = 0.0f;
-    for (int j = 0; j < g; ++j) {
-        int k = lane * g + j;
-        if (k >= K) break;
-        float w = bx_load_float(row, wtype, k);
+    int esize = wtype == BX_F32 ? 4 : 2, per16 = 16 / esize;
+    if (g % per16 == 0) {
+        // 16-byte loads; K only (a model dimension) selects this path, and the
+        // elements are still added one by one in ascending k.
+        for (int j = 0; j < g; j += per16) {
+            int k = lane * g + j;
+            if (k >= K) break;
+            uint4 v = *(const uint4*)(row + (size_t)k * esize);
+            float w[8];
+            if (wtype == BX_F32) {
+                w[0] = __uint_as_float(v.x); w[1] = __uint_as_float(v.y);
+                w[2] = __uint_as_float(v.z); w[3] = __uint_as_float(v.w);
+            } else {
+                unsigned int u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int t = 0; t < MQ_TM; ++t) {
-            int m = m0 + t;
-            if (m >= M) break;
-            acc[t] = __fadd_rn(acc[t], __fmul_rn(x[(size_t)m * K + k], w));
+                for (int i = 0; i < 4; ++i) {
+                    unsigned short lo = (unsigned short)(u[i] & 0xFFFFu), hi = (unsigned short)(u[i] >> 16);
+                    w[2 * i] = wtype == BX_F16 ? bx_half(lo) : bx_bf16(lo);
+                    w[2 * i + 1] = wtype == BX_F16 ? bx_half(hi) : bx_bf16(hi);
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < MQ_TM; ++t) {
+                int m = m0 + t;
+                if (m >= M) break;
+                const float* xr = x + (size_t)m * K + k;
+                for (int e = 0; e < per16; ++e) acc[t] = __fadd_rn(acc[t], __fmul_rn(xr[e], w[e]));
+            }
+        }
+    } else {
+        for (int j = 0; j < g; ++j) {
+            int k = lane * g + j;
+            if (k >= K) break;
+            float w = bx_load_float(row, wtype, k);
+#pragma unroll
+            for (int t = 0; t < MQ_TM; ++t) {
+                int m = m0 + t;
+                if (m >= M) break;
+                acc[t] = __fadd_rn(acc[t], __fmul_rn(x[(size_t)m * K + k], w));
+            }
         }
     }
 #pragma unroll
