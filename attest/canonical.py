@@ -59,3 +59,14 @@ def decode(data: bytes, what: str = "data"):
     if again != data:
         raise AttestationError(f"{what} is not canonically encoded")
     return obj
+
+
+def plain(v):
+    """``v`` with every bytes value as lowercase hex, for JSON output."""
+    if isinstance(v, bytes):
+        return v.hex()
+    if isinstance(v, dict):
+        return {k: plain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [plain(x) for x in v]
+    return v

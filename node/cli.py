@@ -57,18 +57,60 @@ def _float(name):
     return conv
 
 
+def open_engine(args):
+    """Model, tokenizer and engine from ``--model``, ``--ctx``, ``--device`` and ``--pin``."""
+    from .engine import Engine
+    from .gguf_model import default_model_path, load_model
+    from .tokenizer import Tokenizer
+
+    model = load_model(args.model or default_model_path())
+    if args.ctx is not None and not 0 < args.ctx <= model.hparams.n_ctx_train:
+        raise RequestError(f"--ctx must be between 1 and the model's context length "
+                           f"{model.hparams.n_ctx_train}, got {args.ctx}")
+    tok = Tokenizer(model)
+    device = resolve_device(args.device)
+    opts = {"pin": args.pin or None} if device == "cuda" else {}
+    return model, tok, Engine(model, device=device, n_ctx=args.ctx, **opts)
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    from aiohttp import web
+
+    from attest import keys
+
+    from .daemon import Node, make_app
+
+    key = keys.load_private(args.key, _passphrase(args), require_private_mode=True)
+    model, tok, engine = open_engine(args)
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise RequestError("--max-batch must be >= 1 and --max-queue >= 0")
+    try:
+        node = Node(engine, tok, key, args.data_dir, args.max_batch, args.max_queue,
+                    max_tokens_cap=min(args.max_tokens_cap, engine.n_ctx), pin=args.pin)
+    except OSError as e:
+        raise BitexactError(f"cannot open the data folder {args.data_dir}: {e.strerror}") from None
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    print(f"bitexact serve: {node.model_id} on {engine.device}, key id {node.key_id}, "
+          f"http://{args.host}:{args.port}", flush=True)
+    try:
+        web.run_app(make_app(node, args.max_body_bytes), host=args.host, port=args.port, shutdown_timeout=30,
+                    print=None, access_log=None)
+    except OSError as e:
+        raise BitexactError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    return EXIT_OK
+
+
 def cmd_run(args) -> int:
     from attest import keys
     from attest.atomic import atomic_write
     from attest.envelope import seal
 
-    from .engine import Engine
     from .generate import Request, build_request, generate
     from .generate import _validate_messages as validate_messages
-    from .gguf_model import default_model_path, load_model
     from .provenance import build_payload
     from .sampler import SamplingParams
-    from .tokenizer import Tokenizer
 
     key = keys.load_private(args.key, _passphrase(args))
     if args.chat is not None:
@@ -85,12 +127,7 @@ def cmd_run(args) -> int:
             raise RequestError("the chat message is empty")
     else:
         messages = None
-    model = load_model(args.model or default_model_path())
-    if args.ctx is not None and not 0 < args.ctx <= model.hparams.n_ctx_train:
-        raise RequestError(f"--ctx must be between 1 and the model's context length "
-                           f"{model.hparams.n_ctx_train}, got {args.ctx}")
-    tok = Tokenizer(model)
-    engine = Engine(model, device=resolve_device(args.device), n_ctx=args.ctx)
+    model, tok, engine = open_engine(args)
     req = Request(prompt=args.prompt, messages=messages, max_tokens=args.max_tokens,
                   params=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed), stop=args.stop or [])
     record = build_request(req, tok, engine.n_ctx)
@@ -127,20 +164,12 @@ def cmd_verify(args) -> int:
     return EXIT_OK if rep.ok else EXIT_FAIL
 
 
-def _plain(v):
-    if isinstance(v, bytes):
-        return v.hex()
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_plain(x) for x in v]
-    return v
-
-
 def cmd_inspect(args) -> int:
     from verify.verifier import read_attestation
 
-    p = _plain(read_attestation(args.file))
+    from attest.canonical import plain
+
+    p = plain(read_attestation(args.file))
     if args.json:
         print(json.dumps(p, indent=2, ensure_ascii=False))
         return EXIT_OK
@@ -184,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stop", action="append", metavar="STR")
     r.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, at most 8192)")
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    r.add_argument("--pin", default="NVIDIA H200", metavar="GPU", help="the GPU name this node runs on")
     r.add_argument("--attestation", metavar="OUT")
     r.add_argument("--json", action="store_true")
     r.set_defaults(fn=cmd_run)
@@ -195,6 +225,22 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=cmd_verify)
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible operator daemon")
+    s.add_argument("--key", required=True, metavar="KEY.pem")
+    s.add_argument("--passphrase-file", metavar="F", help="or set BITEXACT_KEY_PASSPHRASE")
+    s.add_argument("--model", metavar="PATH.gguf")
+    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    s.add_argument("--pin", default="NVIDIA H200", metavar="GPU", help="the GPU name this node runs on")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8420)
+    s.add_argument("--data-dir", default="bitexact-data", metavar="DIR")
+    s.add_argument("--max-batch", type=int, default=16, metavar="N")
+    s.add_argument("--max-queue", type=int, default=64, metavar="N")
+    s.add_argument("--max-tokens-cap", type=int, default=4096, metavar="N")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N")
+    s.add_argument("--ctx", type=int, metavar="N")
+    s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("inspect", help="show every field of an attestation")
     i.add_argument("file", metavar="FILE.bxa")

@@ -84,44 +84,94 @@ def params_of(record: dict) -> SamplingParams:
                           top_p=record["top_p"], seed=record["seed"])
 
 
-def generate(engine: Engine, tok: Tokenizer, record: dict, on_token=None) -> Result:
-    """Run the request ``record`` (from :func:`build_request`) on ``engine``.
+class Generation:
+    """Decoding state of one request; the engine steps are driven from outside
+    (by :func:`generate` alone, or by the scheduler beside other requests).
+
+    Each step: feed :meth:`next_chunk` to ``engine.forward`` for :attr:`seq`,
+    then pass the chunk length and the returned logits to :meth:`feed`.
+    """
+
+    def __init__(self, engine: Engine, tok: Tokenizer, record: dict):
+        self.engine, self.tok, self.record = engine, tok, record
+        self.params = params_of(record)
+        self.ids = list(record["prompt_tokens"])
+        self.fed = 0
+        self.link = digest.chain_start(bytes.fromhex(engine.model.sha256), record)
+        self.tokens: list[int] = []
+        self.chain: list[bytes] = []
+        self.finish: str | None = None
+        self.text = ""
+        self.seq = engine.new_sequence()
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def next_chunk(self, limit: int = PREFILL_CHUNK) -> list[int]:
+        """The tokens to feed next: up to ``limit`` prompt tokens, then the last sampled token."""
+        if self.fed < len(self.ids):
+            return self.ids[self.fed:self.fed + limit]
+        return [self.tokens[-1]]
+
+    def feed(self, n: int, logits: np.ndarray) -> int | None:
+        """Take the logits of a step that fed ``n`` tokens; returns the sampled
+        token, or None while the prompt is still being prefilled."""
+        if self.fed < len(self.ids):
+            self.fed += n
+            if self.fed < len(self.ids):
+                return None
+        pos = len(self.ids) + len(self.tokens)
+        t = sample(logits, self.params, pos)
+        self.link = digest.chain_step(self.link, t, logits)
+        self.tokens.append(t)
+        self.chain.append(self.link)
+        if t == self.tok.eos_id:
+            self.finish, self.text = "stop", self.tok.decode(self.tokens[:-1])
+            return t
+        self.text = self.tok.decode(self.tokens)
+        cut = [self.text.find(s) for s in self.record["stop"] if s in self.text]
+        if cut:
+            self.finish, self.text = "stop", self.text[:min(cut)]
+        elif len(self.tokens) >= self.record["max_tokens"] or pos + 1 >= self.engine.n_ctx:
+            self.finish = "length"
+        return t
+
+    def stable_text(self) -> str:
+        """The longest prefix of the text that can no longer change: no cut
+        UTF-8 character at the end and no partial stop string."""
+        if self.done:
+            return self.text
+        text = self.text.rstrip("\ufffd")
+        for s in self.record["stop"]:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    text = text[:-k]
+                    break
+        return text
+
+    def result(self) -> Result:
+        out = digest.output_digest(self.link, self.tokens, self.text, self.finish)
+        return Result(self.record, self.tokens, self.text, self.finish, self.chain, out)
+
+    def release(self) -> None:
+        self.engine.release(self.seq)
+
+
+def generate(engine: Engine, tok: Tokenizer, record: dict) -> Result:
+    """Run the request ``record`` (from :func:`build_request`) alone on ``engine``.
 
     Prefill in chunks of :data:`PREFILL_CHUNK`, then decode one token per
     step until EOS, a stop string, ``max_tokens`` or the context end.
-    ``on_token(i, token_id)`` is called after each step.
     """
-    params = params_of(record)
-    ids = list(record["prompt_tokens"])
-    link = digest.chain_start(bytes.fromhex(engine.model.sha256), record)
-    seq = engine.new_sequence()
+    g = Generation(engine, tok, record)
     try:
-        for a in range(0, len(ids), PREFILL_CHUNK):
-            logits = engine.forward([(seq, ids[a:a + PREFILL_CHUNK])])[0]
-        tokens, chain, finish, text = [], [], "length", ""
-        while True:
-            pos = len(ids) + len(tokens)
-            t = sample(logits, params, pos)
-            link = digest.chain_step(link, t, logits)
-            tokens.append(t)
-            chain.append(link)
-            if on_token:
-                on_token(len(tokens) - 1, t)
-            if t == tok.eos_id:
-                finish, text = "stop", tok.decode(tokens[:-1])
-                break
-            text = tok.decode(tokens)
-            cut = [text.find(s) for s in record["stop"] if s in text]
-            if cut:
-                finish, text = "stop", text[:min(cut)]
-                break
-            if len(tokens) >= record["max_tokens"] or pos + 1 >= engine.n_ctx:
-                break
-            logits = engine.forward([(seq, [t])])[0]
+        while not g.done:
+            chunk = g.next_chunk()
+            g.feed(len(chunk), engine.forward([(g.seq, chunk)])[0])
     finally:
-        engine.release(seq)
-    out = digest.output_digest(link, tokens, text, finish)
-    return Result(record, tokens, text, finish, chain, out)
+        g.release()
+    return g.result()
 
 
 def greedy_logits(engine: Engine, ids: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:

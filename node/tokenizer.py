@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from .errors import ModelError, RequestError
 from .gguf_model import Model
@@ -32,6 +33,7 @@ class Tokenizer:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
+        self._lock = threading.Lock()  # llama.cpp vocab calls from the scheduler and HTTP threads
         self.eos_id = int(self._llama.token_eos())
         self.bos_id = int(self._llama.token_bos())
 
@@ -41,11 +43,13 @@ class Tokenizer:
         ``special=True`` parses control tokens such as ``<|im_start|>`` (used for
         rendered chat templates); plain prompts keep them as text.
         """
-        return list(self._llama.tokenize(text.encode("utf-8"), add_bos=True, special=special))
+        with self._lock:
+            return list(self._llama.tokenize(text.encode("utf-8"), add_bos=True, special=special))
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         """Raw bytes of the concatenated token pieces."""
-        return bytes(self._llama.detokenize(list(ids)))
+        with self._lock:
+            return bytes(self._llama.detokenize(list(ids)))
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""
@@ -70,7 +74,7 @@ class Tokenizer:
             raise jinja2.TemplateError(msg)
 
         env.globals["raise_exception"] = raise_exception
-        piece = self._llama.detokenize
+        piece = self.decode_bytes
         try:
             return env.from_string(tpl).render(
                 messages=messages, add_generation_prompt=True,

@@ -437,13 +437,8 @@ def test_verify_fails_on_resigned_changed_first_token_json(art, tmp_path):
 # inspect
 
 def _plain(v):
-    if isinstance(v, bytes):
-        return v.hex()
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_plain(x) for x in v]
-    return v
+    """Expected JSON form of a payload value: bytes as hex (independent of node.cli)."""
+    return json.loads(json.dumps(v, default=lambda b: b.hex()))
 
 
 def _dict_leaves(obj, prefix=""):

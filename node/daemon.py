@@ -1,0 +1,323 @@
+"""Operator daemon: an OpenAI-compatible HTTP API (aiohttp) over the scheduler.
+
+Every answer carries its signed attestation (in the body's ``attestation``
+field, in ``X-Bitexact-*`` headers, and, when streaming, in the last event).
+Attestations are committed to the SQLite store before the answer is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import hashlib
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from attest import canonical, keys
+from attest.digest import CONTRACT_VERSION
+from attest.envelope import seal
+
+from . import __version__
+from .engine import Engine
+from .errors import BitexactError, RequestError
+from .generate import Request, build_request
+from .provenance import build_payload, device_record
+from .sampler import SamplingParams
+from .scheduler import Draining, QueueFull, Scheduler
+from .store import AttestationStore
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("bitexact.daemon")
+MAX_SEED = 2 ** 64
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, etype: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.etype, self.param, self.code = status, message, etype, param, code
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": self.message, "type": self.etype, "param": self.param,
+                                            "code": self.code}}, status=self.status)
+
+
+def _field(body: dict, name: str, types, default=None, check=None, what=""):
+    if name not in body or body[name] is None:
+        return default
+    v = body[name]
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ApiError(400, f"'{name}' must be {what}", param=name)
+    if not isinstance(v, types):
+        raise ApiError(400, f"'{name}' must be {what}", param=name)
+    if check and not check(v):
+        raise ApiError(400, f"'{name}' must be {what}", param=name)
+    return v
+
+
+class Node:
+    """Holds the engine, scheduler, store, key and metrics of one running daemon."""
+
+    def __init__(self, engine: Engine, tok: Tokenizer, key, data_dir: str, max_batch: int = 16,
+                 max_queue: int = 64, max_tokens_cap: int = 4096, pin: str | None = None):
+        self.engine, self.tok, self.key = engine, tok, key
+        self.public_raw = keys.public_raw(key)
+        self.key_id = keys.key_id(self.public_raw)
+        self.max_tokens_cap = max_tokens_cap
+        self.pin = pin if engine.device == "cuda" else None
+        self.model_id = str(engine.model.metadata.get("general.name") or "bitexact")
+        self.store = AttestationStore(data_dir)
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.m_queue = Gauge("bitexact_queue_depth", "Requests waiting for a batch slot", registry=r)
+        self.m_batch = Gauge("bitexact_batch_size", "Sequences in the last engine step", registry=r)
+        self.m_tokens = Counter("bitexact_generated_tokens", "Tokens sampled", registry=r)
+        self.m_fed = Counter("bitexact_fed_tokens", "Tokens fed to the engine (prefill and decode)", registry=r)
+        self.m_requests = Counter("bitexact_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.m_latency = Histogram("bitexact_request_seconds", "Request latency", registry=r)
+        self.scheduler = Scheduler(engine, tok, max_batch, max_queue, on_step=self._on_step)
+        self.store_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bitexact-store")
+
+    def _on_step(self, batch: int, fed: int, sampled: int) -> None:
+        self.m_batch.set(batch)
+        self.m_fed.inc(fed)
+        self.m_tokens.inc(sampled)
+        self.m_queue.set(self.scheduler.queue_depth)
+
+    def info(self) -> dict:
+        m = self.engine.model
+        return {"public_key": self.public_raw.hex(), "key_id": self.key_id, "pinned_gpu": self.pin,
+                "backend": self.engine.device, "device": device_record(self.engine),
+                "model": {"id": self.model_id, "sha256": m.sha256, "architecture": m.arch,
+                          "quant_types": m.quant_types, "n_ctx": self.engine.n_ctx},
+                "contract_version": CONTRACT_VERSION, "engine_version": __version__}
+
+    # ---- request parsing -------------------------------------------------
+    def parse(self, body, chat: bool) -> dict:
+        """Validate an OpenAI request body; returns the attested request record."""
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        _field(body, "model", str, what="a string")
+        if _field(body, "n", int, 1, what="an integer") != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        max_tokens = _field(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
+                            else "max_tokens", int, 16, lambda v: v > 0, "a positive integer")
+        if max_tokens > self.max_tokens_cap:
+            raise ApiError(400, f"max_tokens may be at most {self.max_tokens_cap}", param="max_tokens")
+        temperature = float(_field(body, "temperature", (int, float), 1.0 if "seed" in body else 0.0,
+                                   lambda v: 0 <= v <= 100, "a number in [0, 100]"))
+        top_p = float(_field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"))
+        top_k = _field(body, "top_k", int, 0, lambda v: v >= 0, "an integer >= 0")
+        seed = _field(body, "seed", int, 0, lambda v: 0 <= v < MAX_SEED, "an integer in [0, 2**64)")
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not (isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)):
+            raise ApiError(400, "'stop' must be a non-empty string or a list of at most 4 of them", param="stop")
+        _field(body, "stream", bool, False, what="a boolean")
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise ApiError(400, "'messages' must be a non-empty array", param="messages")
+            messages = []
+            for m in msgs:
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise ApiError(400, "each message needs a string 'role' and a string 'content'", param="messages")
+                messages.append({"role": m["role"], "content": m["content"]})
+            req = Request(messages=messages)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                raise ApiError(400, "'prompt' must be a string", param="prompt")
+            req = Request(prompt=prompt)
+        req.max_tokens = max_tokens
+        req.params = SamplingParams(temperature, top_k, top_p, seed)
+        req.stop = stop
+        try:
+            return build_request(req, self.tok, self.engine.n_ctx)
+        except RequestError as e:
+            code = "context_length_exceeded" if "context" in str(e) else None
+            raise ApiError(400, str(e), code=code) from None
+
+    # ---- attestation -----------------------------------------------------
+    def attest(self, result) -> dict:
+        """Sign ``result``, commit it to the store (durable), return its summary."""
+        payload = build_payload(result, self.engine, self.public_raw)
+        blob = seal(payload, self.key)
+        att_id = hashlib.sha256(blob).hexdigest()
+        self.store.put(att_id, payload["timestamp"], result.digest.hex(), blob)
+        sig = canonical.decode(blob)[4]
+        return {"id": att_id, "output_digest": result.digest.hex(), "signature": sig.hex(), "key_id": self.key_id}
+
+
+def _headers(att: dict) -> dict:
+    return {"X-Bitexact-Attestation-Id": att["id"], "X-Bitexact-Output-Digest": att["output_digest"],
+            "X-Bitexact-Signature": att["signature"], "X-Bitexact-Key-Id": att["key_id"]}
+
+
+def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
+    app = web.Application(client_max_size=max_body_bytes)
+    app["node"] = node
+
+    async def read_json(request):
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"the request body is larger than {max_body_bytes} bytes") from None
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def complete(request: web.Request, chat: bool):
+        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            body = await read_json(request)
+            record = await loop.run_in_executor(None, node.parse, body, chat)
+            events: asyncio.Queue = asyncio.Queue()
+            job = node.scheduler.submit(record, lambda k, v: loop.call_soon_threadsafe(events.put_nowait, (k, v)))
+        except ApiError as e:
+            node.m_requests.labels("rejected").inc()
+            return e.response()
+        except QueueFull as e:
+            node.m_requests.labels("queue_full").inc()
+            return ApiError(429, str(e), "rate_limit_error").response()
+        except Draining as e:
+            node.m_requests.labels("rejected").inc()
+            return ApiError(503, str(e), "server_error").response()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        stream = bool(body.get("stream"))
+        resp = None
+        sent = ""
+        try:
+            if stream:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await resp.prepare(request)
+                if chat:
+                    await _sse(resp, _chunk(rid, created, node.model_id, chat, {"role": "assistant", "content": ""}))
+            while True:
+                kind, value = await events.get()
+                if kind == "token":
+                    if stream and len(value[1]) > len(sent):
+                        delta, sent = value[1][len(sent):], value[1]
+                        await _sse(resp, _chunk(rid, created, node.model_id, chat, delta))
+                    continue
+                if kind == "error":
+                    raise value
+                result = value
+                break
+            att = await loop.run_in_executor(node.store_pool, node.attest, result)
+            usage = {"prompt_tokens": len(result.request["prompt_tokens"]), "completion_tokens": len(result.tokens),
+                     "total_tokens": len(result.request["prompt_tokens"]) + len(result.tokens)}
+            node.m_requests.labels("ok").inc()
+            node.m_latency.observe(time.monotonic() - t0)
+            if stream:
+                last = _chunk(rid, created, node.model_id, chat, result.text[len(sent):], result.finish_reason)
+                last["attestation"], last["usage"] = att, usage
+                await _sse(resp, last)
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": result.text}
+            else:
+                choice["text"] = result.text
+            return web.json_response({"id": rid, "object": obj, "created": created, "model": node.model_id,
+                                      "choices": [choice], "usage": usage, "attestation": att},
+                                     headers=_headers(att))
+        except (asyncio.CancelledError, ConnectionResetError):
+            node.scheduler.cancel(job)
+            node.m_requests.labels("disconnected").inc()
+            raise
+        except BitexactError as e:
+            node.m_requests.labels("failed").inc()
+            if resp is not None:
+                await _sse(resp, {"error": {"message": str(e), "type": "server_error"}})
+                return resp
+            return ApiError(503 if isinstance(e, Draining) else 500, str(e), "server_error").response()
+
+    async def completions(request):
+        return await complete(request, chat=False)
+
+    async def chat_completions(request):
+        return await complete(request, chat=True)
+
+    async def attestation(request):
+        att_id = request.match_info["id"]
+        if len(att_id) != 64 or any(c not in "0123456789abcdef" for c in att_id):
+            return ApiError(404, "no such attestation", code="not_found").response()
+        blob = await asyncio.get_running_loop().run_in_executor(node.store_pool, node.store.get, att_id)
+        if blob is None:
+            return ApiError(404, "no such attestation", code="not_found").response()
+        if "application/json" in request.headers.get("Accept", ""):
+            env = canonical.decode(blob)
+            payload = canonical.decode(env[2])
+            return web.json_response({"format": env[0], "format_version": env[1],
+                                      "payload": canonical.plain(payload), "payload_msgpack_b64":
+                                      base64.b64encode(env[2]).decode(), "public_key": env[3].hex(),
+                                      "signature": env[4].hex()})
+        return web.Response(body=blob, content_type="application/msgpack",
+                            headers={"Content-Disposition": f'attachment; filename="{att_id}.bxa"'})
+
+    async def node_info(request):
+        return web.json_response(node.info())
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": node.model_id, "object": "model",
+                                                              "created": 0, "owned_by": "bitexact"}]})
+
+    async def health(request):
+        return web.json_response({"status": "ok", "active": node.scheduler.active,
+                                  "queue_depth": node.scheduler.queue_depth})
+
+    async def metrics(request):
+        node.m_queue.set(node.scheduler.queue_depth)
+        return web.Response(body=generate_latest(node.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def on_shutdown(app):
+        await asyncio.get_running_loop().run_in_executor(None, node.scheduler.drain, 30.0)
+
+    async def on_cleanup(app):
+        node.scheduler.stop()
+        node.store_pool.shutdown(wait=True)
+        node.store.close()
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/attestations/{id}", attestation)
+    app.router.add_get("/v1/node", node_info)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def _chunk(rid, created, model, chat, text, finish=None) -> dict:
+    if chat:
+        delta = text if isinstance(text, dict) else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [choice]}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+
+
+async def _sse(resp: web.StreamResponse, obj: dict) -> None:
+    await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")

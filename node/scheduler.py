@@ -1,0 +1,179 @@
+"""Continuous batching: requests join and leave the running batch at any step.
+
+One worker thread owns the engine. Each step holds every active request:
+prefill chunks of new requests interleaved with one decode token of the
+others. Because the engine's bytes never depend on the batch, a request's
+output equals what it would get alone on an idle node.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .engine import Engine
+from .errors import BitexactError
+from .generate import PREFILL_CHUNK, Generation, Result
+from .tokenizer import Tokenizer
+
+
+class QueueFull(BitexactError):
+    """The waiting queue is at its limit (HTTP 429)."""
+
+
+class Draining(BitexactError):
+    """The node is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass
+class Job:
+    """One submitted request. ``on_event(kind, value)`` is called from the worker
+    thread with ``("token", (token_id, stable_text))``, then ``("done", Result)``
+    or ``("error", BitexactError)``."""
+
+    record: dict
+    on_event: Callable[[str, object], None]
+    cancelled: bool = False
+    gen: Generation | None = field(default=None, repr=False)
+
+
+class Scheduler:
+    """Runs jobs on ``engine`` with at most ``max_batch`` active sequences and
+    ``max_queue`` waiting jobs."""
+
+    def __init__(self, engine: Engine, tok: Tokenizer, max_batch: int = 16, max_queue: int = 64,
+                 on_step: Callable[[int, int, int], None] | None = None):
+        self.engine, self.tok = engine, tok
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.on_step = on_step  # (batch size, tokens fed, tokens sampled)
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._active: list[Job] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._draining = False
+        self._thread = threading.Thread(target=self._loop, name="bitexact-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def submit(self, record: dict, on_event) -> Job:
+        """Queue a request record (from :func:`node.generate.build_request`).
+        Raises :class:`QueueFull` or :class:`Draining`."""
+        job = Job(record, on_event)
+        with self._cv:
+            if self._draining or self._stop:
+                raise Draining("the node is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
+            self._waiting.append(job)
+            self._cv.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Drop a job (a client went away); its sequence is freed at the next step."""
+        with self._cv:
+            job.cancelled = True
+            self._cv.notify()
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new jobs and wait until queued and active ones end; True if they did."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            self._draining = True
+            self._cv.notify_all()
+            while (self._waiting or self._active) and time.monotonic() < end:
+                self._cv.wait(0.05)
+            return not (self._waiting or self._active)
+
+    def stop(self) -> None:
+        """Stop the worker; jobs still queued or active get a Draining error."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    # ---- worker ------------------------------------------------------------
+    def _finish(self, job: Job, kind: str, value) -> None:
+        if job.gen is not None:
+            job.gen.release()
+        if not job.cancelled:
+            job.on_event(kind, value)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                for job in [j for j in self._active if j.cancelled]:
+                    self._active.remove(job)
+                    if job.gen is not None:
+                        job.gen.release()
+                for job in [j for j in self._waiting if j.cancelled]:
+                    self._waiting.remove(job)
+                if self._stop:
+                    for job in list(self._waiting) + self._active:
+                        self._finish(job, "error", Draining("the node stopped before the request finished"))
+                    self._waiting.clear()
+                    self._active.clear()
+                    self._cv.notify_all()
+                    return
+                while self._waiting and len(self._active) < self.max_batch:
+                    self._active.append(self._waiting.popleft())
+                if not self._active:
+                    self._cv.notify_all()
+                    self._cv.wait(0.5)
+                    continue
+                batch = list(self._active)
+            self._step(batch)
+
+    def _step(self, batch: list[Job]) -> None:
+        ready = []
+        for job in batch:
+            if job.gen is None:
+                try:
+                    job.gen = Generation(self.engine, self.tok, job.record)
+                except BitexactError as e:
+                    self._drop(job, e)
+                    continue
+            ready.append(job)
+        if not ready:
+            return
+        chunks = [job.gen.next_chunk(PREFILL_CHUNK) for job in ready]
+        try:
+            outs = self.engine.forward([(job.gen.seq, c) for job, c in zip(ready, chunks)])
+        except BitexactError as e:   # e.g. KV cache full: fail this step's requests, keep serving
+            for job in ready:
+                self._drop(job, e)
+            return
+        sampled = 0
+        for job, chunk, logits in zip(ready, chunks, outs):
+            t = job.gen.feed(len(chunk), logits)
+            if t is None:
+                continue
+            sampled += 1
+            if not job.cancelled:
+                job.on_event("token", (t, job.gen.stable_text()))
+            if job.gen.done:
+                with self._cv:
+                    self._active.remove(job)
+                    self._cv.notify_all()
+                self._finish(job, "done", job.gen.result())
+        if self.on_step:
+            self.on_step(len(ready), sum(len(c) for c in chunks), sampled)
+
+    def _drop(self, job: Job, err: BitexactError) -> None:
+        with self._cv:
+            if job in self._active:
+                self._active.remove(job)
+            self._cv.notify_all()
+        self._finish(job, "error", err)
+
+
+__all__ = ["Scheduler", "Job", "QueueFull", "Draining", "Result"]

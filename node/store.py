@@ -1,0 +1,48 @@
+"""Durable attestation store: SQLite in WAL mode with ``synchronous=FULL``, so a
+``put`` has reached the disk (fsync of the WAL) when it returns."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+
+
+class AttestationStore:
+    """Signed attestation files keyed by their id (hex SHA-256 of the file bytes).
+
+    Thread-safe; ``path`` is created with its folder. Raises ``sqlite3.Error``
+    on I/O failure.
+    """
+
+    def __init__(self, folder: str):
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, "attestations.sqlite3")
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS attestations (id TEXT PRIMARY KEY, "
+                             "created TEXT NOT NULL, output_digest TEXT NOT NULL, blob BLOB NOT NULL)")
+
+    def put(self, att_id: str, created: str, output_digest: str, blob: bytes) -> None:
+        """Insert and commit (durable on return). Re-inserting the same id is a no-op."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("INSERT OR IGNORE INTO attestations VALUES (?, ?, ?, ?)",
+                             (att_id, created, output_digest, blob))
+            self._db.execute("COMMIT")
+
+    def get(self, att_id: str) -> bytes | None:
+        with self._lock:
+            row = self._db.execute("SELECT blob FROM attestations WHERE id = ?", (att_id,)).fetchone()
+        return None if row is None else bytes(row[0])
+
+    def count(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM attestations").fetchone()[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
