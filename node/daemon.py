@@ -111,7 +111,7 @@ class Node:
                             else "max_tokens", int, 16, lambda v: v > 0, "a positive integer")
         if max_tokens > self.max_tokens_cap:
             raise ApiError(400, f"max_tokens may be at most {self.max_tokens_cap}", param="max_tokens")
-        temperature = float(_field(body, "temperature", (int, float), 1.0 if "seed" in body else 0.0,
+        temperature = float(_field(body, "temperature", (int, float), 0.0,
                                    lambda v: 0 <= v <= 100, "a number in [0, 100]"))
         top_p = float(_field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"))
         top_k = _field(body, "top_k", int, 0, lambda v: v >= 0, "an integer >= 0")

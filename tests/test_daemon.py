@@ -1,0 +1,328 @@
+"""The operator daemon: OpenAI API, continuous batching that never changes bytes,
+durable attestations, draining, and bad input. Runs `bitexact serve` on the
+default model (CPU) on loopback and talks to it with the official `openai` client."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from node.engine import Engine
+from node.generate import Request, build_request, generate
+from node.gguf_model import default_model_path, load_model
+from node.sampler import SamplingParams
+from node.tokenizer import Tokenizer
+
+KEYDIR = None
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    def __init__(self, key, data_dir, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "node.cli", "serve", "--key", key, "--data-dir", data_dir,
+                     "--port", str(self.port), "--device", "cpu", *extra]
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        end = time.time() + 90
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited: {self.proc.stderr.read()}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=1)
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.2)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+
+    def get(self, path, accept=None):
+        req = urllib.request.Request(self.url + path, headers={"Accept": accept} if accept else {})
+        return urllib.request.urlopen(req, timeout=30)
+
+    def post_raw(self, path, data: bytes, ctype="application/json"):
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": ctype})
+        try:
+            r = urllib.request.urlopen(req, timeout=120)
+            return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def key(tmp_path_factory):
+    d = tmp_path_factory.mktemp("key")
+    subprocess.run([sys.executable, "-m", "node.cli", "keygen", "--out", str(d / "node.pem")], check=True,
+                   capture_output=True)
+    return str(d / "node.pem")
+
+
+@pytest.fixture(scope="module")
+def daemon(key, tmp_path_factory):
+    d = Daemon(key, str(tmp_path_factory.mktemp("data")), "--max-batch", "32", "--max-queue", "64")
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def solo():
+    """Output digest of a request served alone (the same code path, one request at a time)."""
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+    engine = Engine(model)
+    cache = {}
+
+    def digest(kind, text, max_tokens, temperature=0.0, seed=0, stop=()):
+        k = (kind, text, max_tokens, temperature, seed, tuple(stop))
+        if k not in cache:
+            req = Request(prompt=text if kind == "prompt" else None,
+                          messages=[{"role": "user", "content": text}] if kind == "chat" else None,
+                          max_tokens=max_tokens, params=SamplingParams(temperature, 0, 1.0, seed), stop=list(stop))
+            cache[k] = generate(engine, tok, build_request(req, tok, engine.n_ctx)).digest.hex()
+        return cache[k]
+    return digest
+
+
+def send(d, kind, text, max_tokens, temperature=0.0, seed=None, stream=False):
+    kw = {"max_tokens": max_tokens, "temperature": temperature}
+    if seed is not None:
+        kw["seed"] = seed
+    if kind == "prompt":
+        if stream:
+            last = None
+            for ch in d.client.completions.create(model="m", prompt=text, stream=True, **kw):
+                last = ch
+            return last.model_extra["attestation"]["output_digest"]
+        r = d.client.completions.create(model="m", prompt=text, **kw)
+    else:
+        msgs = [{"role": "user", "content": text}]
+        if stream:
+            last = None
+            for ch in d.client.chat.completions.create(model="m", messages=msgs, stream=True, **kw):
+                last = ch
+            return last.model_extra["attestation"]["output_digest"]
+        r = d.client.chat.completions.create(model="m", messages=msgs, **kw)
+    return r.model_extra["attestation"]["output_digest"]
+
+
+FILLERS = [("prompt", "Once upon a time", 2), ("chat", "Say hi.", 3), ("prompt", "1, 2, 3, 4,", 1),
+           ("chat", "What is the capital of Italy? Answer in one word.", 2),
+           ("prompt", "def fibonacci(n):\n    ", 3), ("prompt", "The weather today is", 1)]
+
+
+def run_concurrently(d, solo, jobs):
+    """jobs: (kind, text, max_tokens, temperature, seed, stream). Every digest must equal solo's."""
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
+        futs = [ex.submit(send, d, k, t, n, temp, seed, stream) for k, t, n, temp, seed, stream in jobs]
+        got = [f.result() for f in futs]
+    want = [solo(k, t, n, temp, seed if seed is not None else 0) for k, t, n, temp, seed, _ in jobs]
+    assert got == want
+    return got
+
+
+def mixed(n, offset=0):
+    return [(*FILLERS[(i + offset) % len(FILLERS)], 0.0, None, i % 3 == 0) for i in range(n)]
+
+
+def test_same_prompt_eight_times_at_once(daemon, solo):
+    same = [("prompt", "The three primary colors are", 3, 0.0, None, i % 2 == 0) for i in range(8)]
+    got = run_concurrently(daemon, solo, same + mixed(24))
+    assert len(set(got[:8])) == 1
+
+
+def test_seeded_sampling_beside_greedy(daemon, solo):
+    seeded = [("chat", "Write a word that rhymes with cat.", 3, 0.8, 1234, False)] * 4
+    run_concurrently(daemon, solo, seeded + mixed(28, 2))
+
+
+def test_shared_long_prefix(daemon, solo):
+    prefix = "In a quiet village by the sea, there lived an old fisherman who every morning " * 2
+    jobs = [("prompt", prefix + end, 2, 0.0, None, False) for end in ("he", "she", "the boat", "and", "so", "then")]
+    run_concurrently(daemon, solo, jobs * 3 + mixed(14, 4))
+
+
+def test_sequential_a_b_a_a_and_repeat_after_other(daemon, solo):
+    a = ("prompt", "A short story about a robot:", 3)
+    b = ("chat", "List two fruits.", 3)
+    got = [send(daemon, *a), send(daemon, *b), send(daemon, *a), send(daemon, *a)]
+    assert got == [solo(*a), solo(*b), solo(*a), solo(*a)]
+    # a request repeated right after a different one, under load from 31 other clients
+    with concurrent.futures.ThreadPoolExecutor(32) as ex:
+        bg = [ex.submit(send, daemon, *j[:3]) for j in mixed(30, 1)]
+        first = ex.submit(send, daemon, *b)
+        time.sleep(0.5)
+        again = ex.submit(send, daemon, *b)
+        assert first.result() == again.result() == solo(*b)
+        assert [f.result() for f in bg] == [solo(*j[:3]) for j in mixed(30, 1)]
+
+
+def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
+    r = daemon.client.completions.with_raw_response.create(model="m", prompt="Hello there", max_tokens=3)
+    att = r.parse().model_extra["attestation"]
+    assert r.headers["X-Bitexact-Attestation-Id"] == att["id"]
+    assert r.headers["X-Bitexact-Output-Digest"] == att["output_digest"]
+    blob = daemon.get(f"/v1/attestations/{att['id']}").read()
+    path = tmp_path / "a.bxa"
+    path.write_bytes(blob)
+    v = subprocess.run([sys.executable, "-m", "node.cli", "verify", str(path), "--trusted-key",
+                        key[:-4] + ".pub.pem"], capture_output=True, text=True)
+    assert v.returncode == 0 and v.stdout.startswith("OK"), v.stdout + v.stderr
+    js = json.loads(daemon.get(f"/v1/attestations/{att['id']}", "application/json").read())
+    assert js["payload"]["output"]["digest"] == att["output_digest"] and js["signature"] == att["signature"]
+    node = json.loads(daemon.get("/v1/node").read())
+    assert node["key_id"] == att["key_id"] and node["contract_version"] == 1
+    assert node["model"]["sha256"] == load_model(default_model_path()).sha256
+    assert json.loads(daemon.get("/v1/models").read())["data"][0]["object"] == "model"
+    assert json.loads(daemon.get("/health").read())["status"] == "ok"
+    metrics = daemon.get("/metrics").read().decode()
+    for name in ("bitexact_queue_depth", "bitexact_batch_size", "bitexact_generated_tokens_total",
+                 'bitexact_requests_total{outcome="ok"}'):
+        assert name in metrics
+    with pytest.raises(urllib.error.HTTPError) as e:
+        daemon.get("/v1/attestations/" + "0" * 64)
+    assert e.value.code == 404
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (json.dumps({"prompt": "hi", "max_tokens": "ten"}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), 400, "temperature"),
+    (json.dumps({"prompt": "hi", "temperature": -0.5}).encode(), 400, "temperature"),
+    (json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400, "top_p"),
+    (json.dumps({"prompt": "hi", "stop": 5}).encode(), 400, "stop"),
+    (json.dumps({"prompt": "hi", "seed": -1}).encode(), 400, "seed"),
+    (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
+    (json.dumps({"prompt": 42}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": ""}).encode(), 400, None),
+    (json.dumps({"prompt": "   "}).encode(), 400, None),
+    (json.dumps({"prompt": "hi", "max_tokens": 10 ** 9}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
+    (json.dumps(["a"]).encode(), 400, None),
+])
+def test_bad_completion_requests(daemon, body, status, param):
+    code, err = daemon.post_raw("/v1/completions", body)
+    assert code == status and set(err) == {"error"} and err["error"]["message"]
+    assert err["error"]["param"] == param
+
+
+def test_bad_chat_requests_and_node_keeps_serving(daemon, solo):
+    for body in ({"messages": "hi"}, {"messages": []}, {"messages": [{"role": "user"}]},
+                 {"messages": [{"role": "user", "content": 5}]}, {"messages": [{"role": "user", "content": ""}]}):
+        code, err = daemon.post_raw("/v1/chat/completions", json.dumps(body).encode())
+        assert code == 400 and err["error"]["type"] == "invalid_request_error", body
+    assert send(daemon, "chat", "Say hi.", 4) == solo("chat", "Say hi.", 4)
+
+
+def test_limits_context_body_and_queue(key, tmp_path, solo):
+    d = Daemon(key, str(tmp_path / "data"), "--ctx", "48", "--max-body-bytes", "4096", "--max-batch", "1",
+               "--max-queue", "1", "--max-tokens-cap", "40")
+    try:
+        code, err = d.post_raw("/v1/completions", json.dumps({"prompt": "word " * 100}).encode())
+        assert code == 400 and err["error"]["code"] == "context_length_exceeded"
+        code, err = d.post_raw("/v1/completions", json.dumps({"prompt": "x" * 10000}).encode())
+        assert code == 413 and "error" in err
+        code, err = d.post_raw("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 41}).encode())
+        assert code == 400 and err["error"]["param"] == "max_tokens"
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:        # one running, one queued, one refused
+            running = ex.submit(d.post_raw, "/v1/completions", json.dumps({"prompt": "Count: 1, 2,",
+                                                                           "max_tokens": 30}).encode())
+            time.sleep(1.5)
+            queued = ex.submit(d.post_raw, "/v1/completions", json.dumps({"prompt": "Hello",
+                                                                          "max_tokens": 2}).encode())
+            time.sleep(0.5)
+            code, err = d.post_raw("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())
+            assert code == 429 and err["error"]["type"] == "rate_limit_error"
+            assert running.result()[0] == 200 and queued.result()[0] == 200
+    finally:
+        assert d.stop() == 0
+
+
+def test_client_disconnect_mid_stream_frees_sequence(daemon, solo):
+    stream = daemon.client.completions.create(model="m", prompt="Tell me a very long story:", max_tokens=400,
+                                              stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    end = time.time() + 30
+    while time.time() < end and json.loads(daemon.get("/health").read())["active"]:
+        time.sleep(0.2)
+    assert json.loads(daemon.get("/health").read())["active"] == 0
+    assert send(daemon, "prompt", "Once upon a time", 3) == solo("prompt", "Once upon a time", 3)
+
+
+def test_sigkill_then_restart_keeps_every_returned_attestation(key, tmp_path):
+    data = str(tmp_path / "data")
+    d = Daemon(key, data)
+    ids = []
+    for text in ("Red, green and", "The sun is", "Water boils at"):
+        r = d.client.completions.create(model="m", prompt=text, max_tokens=3)
+        ids.append(r.model_extra["attestation"]["id"])
+    t = threading.Thread(target=lambda: _swallow(lambda: d.client.completions.create(
+        model="m", prompt="Write a long essay about the ocean:", max_tokens=500)))
+    t.start()
+    time.sleep(3)
+    d.stop(signal.SIGKILL)
+    t.join()
+    d2 = Daemon(key, data)
+    try:
+        for att_id in ids:
+            blob = d2.get(f"/v1/attestations/{att_id}").read()
+            p = tmp_path / f"{att_id}.bxa"
+            p.write_bytes(blob)
+            v = subprocess.run([sys.executable, "-m", "node.cli", "verify", str(p)], capture_output=True, text=True)
+            assert v.returncode == 0 and v.stdout.startswith("OK"), v.stdout + v.stderr
+    finally:
+        d2.stop()
+
+
+def _swallow(fn):
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+def test_sigterm_drains_in_flight_requests(key, tmp_path):
+    d = Daemon(key, str(tmp_path / "data"))
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(d.client.completions.create, model="m", prompt="Count to twenty: 1, 2, 3,", max_tokens=12)
+        time.sleep(2)
+        d.proc.send_signal(signal.SIGTERM)
+        r = fut.result()
+    assert r.choices[0].finish_reason in ("length", "stop") and r.model_extra["attestation"]["id"]
+    assert d.proc.wait(60) == 0
+
+
+def test_group_readable_key_refused(key, tmp_path):
+    bad = tmp_path / "bad.pem"
+    bad.write_bytes(open(key, "rb").read())
+    os.chmod(bad, 0o640)
+    p = subprocess.run([sys.executable, "-m", "node.cli", "serve", "--key", str(bad), "--device", "cpu",
+                        "--data-dir", str(tmp_path / "d"), "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "readable by group or others" in p.stderr and "Traceback" not in p.stderr
