@@ -1,0 +1,125 @@
+"""Load test for `bitexact serve` on loopback.
+
+First sends each distinct request alone (an idle node) to get its solo output
+digest, then sends ``--requests`` requests from ``--concurrency`` bounded
+clients (the official ``openai`` client) and reports throughput, p50/p99
+latency and the number of digests that differ from the solo reference (which
+must be 0). Starts its own daemon unless ``--url`` is given.
+
+    python scripts/loadtest.py --requests 200 --concurrency 32 [--device cpu|cuda] [--url http://127.0.0.1:8420]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def quicksort(xs):",
+           "Three facts about the Moon:", "1, 1, 2, 3, 5, 8,", "Translate 'good morning' into Spanish:",
+           "The best way to learn a language is", "Q: What is 12 times 12?\nA:"]
+
+
+def requests_pool(rng: random.Random, max_tokens: int) -> list[dict]:
+    pool = []
+    for i, p in enumerate(PROMPTS):
+        n = rng.randint(1, max_tokens)
+        pool.append({"kind": "prompt", "prompt": p, "max_tokens": n})
+        pool.append({"kind": "chat", "prompt": p, "max_tokens": n, "temperature": 0.8, "seed": 1000 + i})
+    return pool
+
+
+def call(client, r: dict) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    kw = {"max_tokens": r["max_tokens"], "temperature": r.get("temperature", 0.0)}
+    if "seed" in r:
+        kw["seed"] = r["seed"]
+    if r["kind"] == "prompt":
+        out = client.completions.create(model="m", prompt=r["prompt"], **kw)
+    else:
+        out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": r["prompt"]}], **kw)
+    return out.model_extra["attestation"]["output_digest"], time.perf_counter() - t0
+
+
+def start_daemon(args) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp = tempfile.mkdtemp()
+    key = os.path.join(tmp, "node.pem")
+    subprocess.run([sys.executable, "-m", "node.cli", "keygen", "--out", key], check=True, capture_output=True)
+    cmd = [sys.executable, "-m", "node.cli", "serve", "--key", key, "--data-dir", os.path.join(tmp, "data"),
+           "--port", str(port), "--device", args.device, "--max-batch", str(args.max_batch),
+           "--max-queue", str(args.requests)]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    end = time.time() + 180
+    while time.time() < end:
+        if proc.poll() is not None:
+            sys.exit(f"loadtest: the daemon exited: {proc.stderr.read().strip()}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    sys.exit("loadtest: the daemon did not start within 180 s")
+
+
+def main() -> int:
+    import openai
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model")
+    ap.add_argument("--url", help="an already running daemon")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="also write the report here")
+    args = ap.parse_args()
+    if not (1 <= args.concurrency <= 1024 and 1 <= args.requests <= 100_000):
+        sys.exit("loadtest: --concurrency must be in [1, 1024] and --requests in [1, 100000]")
+    proc, url = (None, args.url) if args.url else start_daemon(args)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
+        rng = random.Random(args.seed)
+        pool = requests_pool(rng, args.max_tokens)
+        solo = {i: call(client, r)[0] for i, r in enumerate(pool)}
+        picks = [rng.randrange(len(pool)) for _ in range(args.requests)]
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as ex:
+            results = list(ex.map(lambda i: call(client, pool[i]), picks))
+        wall = time.perf_counter() - t0
+        lat = sorted(r[1] for r in results)
+        differ = sum(results[k][0] != solo[i] for k, i in enumerate(picks))
+        report = {"requests": args.requests, "concurrency": args.concurrency, "distinct_requests": len(pool),
+                  "wall_s": round(wall, 2), "requests_per_s": round(args.requests / wall, 2),
+                  "p50_latency_s": round(lat[len(lat) // 2], 3),
+                  "p99_latency_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3),
+                  "digests_differing_from_solo": differ}
+        print(json.dumps(report, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        return 0 if differ == 0 else 1
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
