@@ -43,7 +43,7 @@ def _cupy():
             raise GpuError("no CUDA GPU is visible")
         return cupy
     except ImportError:
-        raise GpuError("CuPy is not installed: pip install 'bitexact[cuda]'") from None
+        raise GpuError("CuPy is not installed: pip install -e '.[cuda]'") from None
     except GpuError:
         raise
     except Exception as e:
@@ -54,7 +54,7 @@ def _nvrtc_compile(name: str, src: str, header: str) -> bytes:
     try:
         from cuda.bindings import nvrtc
     except ImportError:
-        raise GpuError("cuda-bindings (NVRTC) is not installed: pip install 'bitexact[cuda]'") from None
+        raise GpuError("cuda-bindings (NVRTC) is not installed: pip install -e '.[cuda]'") from None
     ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
     err, prog = nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 1, [header.encode()], [b"common.cuh"])
     if err != ok:

@@ -19,7 +19,9 @@ EXIT_OK, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2
-        self.exit(EXIT_INPUT, f"bitexact: error: {message} (see bitexact {self.prog.split()[-1]} --help)\n")
+        sub = self.prog.split()[-1]
+        where = "bitexact --help" if sub == "bitexact" else f"bitexact {sub} --help"
+        self.exit(EXIT_INPUT, f"bitexact: error: {message} (see {where})\n")
 
 
 def _passphrase(args) -> bytes | None:

