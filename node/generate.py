@@ -172,18 +172,3 @@ def generate(engine: Engine, tok: Tokenizer, record: dict) -> Result:
     finally:
         g.release()
     return g.result()
-
-
-def greedy_logits(engine: Engine, ids: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy-decode ``steps`` tokens after ``ids``; returns tokens and each step's logits."""
-    seq = engine.new_sequence()
-    try:
-        logits = engine.forward([(seq, ids)])[0]
-        toks, all_logits = [], []
-        for _ in range(steps):
-            all_logits.append(logits)
-            toks.append(int(np.argmax(logits)))
-            logits = engine.forward([(seq, [toks[-1]])])[0]
-        return toks, all_logits
-    finally:
-        engine.release(seq)
