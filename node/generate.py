@@ -47,6 +47,8 @@ def _validate_messages(messages) -> None:
         if not (isinstance(m, dict) and set(m) == {"role", "content"}
                 and isinstance(m["role"], str) and isinstance(m["content"], str)):
             raise RequestError("each chat message must be {\"role\": str, \"content\": str}")
+    if not any(m["content"].strip() for m in messages):
+        raise RequestError("the chat messages are empty")
 
 
 def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
