@@ -125,8 +125,6 @@ def cmd_run(args) -> int:
         if messages is None:
             messages = [{"role": "user", "content": args.chat}]
         validate_messages(messages)
-        if len(messages) == 1 and not messages[0]["content"].strip():
-            raise RequestError("the chat message is empty")
     else:
         messages = None
     model, tok, engine = open_engine(args)

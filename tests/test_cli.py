@@ -201,7 +201,7 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--stop", ""], "stop"),
     (["--prompt", "hi", "--ctx", "0"], "--ctx"),
     (["--prompt", "hi", "--ctx", "100000000000"], "--ctx"),
-    (["--chat", "  "], "chat message is empty"),
+    (["--chat", "  "], "chat messages are empty"),
     (["--chat", "[1]"], "chat message"),
     (["--chat", "[]"], "non-empty"),
     (["--chat", '[{"role": "user", "content": 1}]'], "chat message"),
