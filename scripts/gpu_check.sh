@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device runner: on a machine with the pinned GPU (one NVIDIA H200), install the
-# carried wheels, then run the `gpu` tests. Results go to $OUT (or ./gpu-out).
+# GPU runner: on a machine with the pinned GPU (one NVIDIA H200), install the
+# wheels found in .whl/ (for machines without package-index access), then run
+# the `gpu` tests. Results go to the folder $OUT (default ./gpu-out).
 #   bash scripts/gpu_check.sh [extra pytest args, e.g. -m "gpu and not default_model"]
 # Wheels (gguf, cryptography, cffi, pycparser, llama-cpp-python) are taken from
 # .whl/ when present; BITEXACT_MODEL names the default model file if the
