@@ -38,8 +38,11 @@ class CpuBackend:
         return w
 
     def vector(self, name: str) -> np.ndarray:
-        """fp32 ``[K]`` values of a 1-D float tensor (norm weights, RoPE factors)."""
-        return float_values(self.model.tensors[name])[0]
+        """fp32 ``[K]`` values of a 1-D float tensor (norm weights, RoPE factors), decoded once."""
+        v = self._weights.get(name)
+        if v is None:
+            v = self._weights[name] = float_values(self.model.tensors[name])[0]
+        return v
 
     # ---- ops ---------------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:

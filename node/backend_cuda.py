@@ -150,6 +150,7 @@ class CudaBackend:
         self.max_splits = -(-n_ctx // SPLIT_KV)
         self._graph_cache: dict[int, dict] = {}
         self._entry = None
+        self._device_record = None
 
     # ---- host/device -------------------------------------------------------
     def to_host(self, x) -> np.ndarray:
@@ -162,17 +163,20 @@ class CudaBackend:
         return float_values(self.model.tensors[name])[0]
 
     def device_record(self) -> dict:
-        cp = self.cp
-        rec = {"gpu": self.gpu_name, "compute_capability": self.cc,
-               "cuda_driver": str(cp.cuda.runtime.driverGetVersion()),
-               "cuda_runtime": str(cp.cuda.runtime.runtimeGetVersion()), "cupy": cp.__version__}
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            rec["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
-        except Exception:
-            rec["driver"] = "unknown"
-        return rec
+        """GPU name, compute capability, driver, CUDA driver/runtime API and CuPy versions (read once)."""
+        if self._device_record is None:
+            cp = self.cp
+            rec = {"gpu": self.gpu_name, "compute_capability": self.cc,
+                   "cuda_driver": str(cp.cuda.runtime.driverGetVersion()),
+                   "cuda_runtime": str(cp.cuda.runtime.runtimeGetVersion()), "cupy": cp.__version__}
+            try:
+                import pynvml
+                pynvml.nvmlInit()
+                rec["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
+            except Exception:
+                rec["driver"] = "unknown"
+            self._device_record = rec
+        return dict(self._device_record)
 
     # ---- launchers ---------------------------------------------------------
     def launch_quantize_q8(self, x):

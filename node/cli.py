@@ -110,7 +110,6 @@ def cmd_run(args) -> int:
     from attest.envelope import seal
 
     from .generate import Request, build_request, generate
-    from .generate import _validate_messages as validate_messages
     from .provenance import build_payload
     from .sampler import SamplingParams
 
@@ -124,7 +123,6 @@ def cmd_run(args) -> int:
             raise RequestError("--chat is not valid JSON: nested too deeply") from None
         if messages is None:
             messages = [{"role": "user", "content": args.chat}]
-        validate_messages(messages)
     else:
         messages = None
     model, tok, engine = open_engine(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import os
 import platform
@@ -31,18 +32,26 @@ def sources_sha256(paths, extra: bytes = b"") -> str:
     return h.hexdigest()
 
 
+@functools.cache
+def reference_sha256() -> str:
+    """SHA-256 of the reference-engine sources (read once per process)."""
+    return sources_sha256(REFERENCE_SOURCES)
+
+
 def kernel_sources() -> list[str]:
     folder = os.path.join(ROOT, "cuda")
     names = sorted(n for n in os.listdir(folder) if n.endswith((".cu", ".cuh"))) if os.path.isdir(folder) else []
     return [f"cuda/{n}" for n in names]
 
 
+@functools.cache
 def kernels_sha256() -> str:
     """SHA-256 of the CUDA sources plus the pinned compile options."""
     from .kernels import COMPILE_OPTIONS
     return sources_sha256(kernel_sources(), " ".join(COMPILE_OPTIONS).encode())
 
 
+@functools.cache
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -67,7 +76,7 @@ def build_payload(result: Result, engine: Engine, public_raw: bytes) -> dict:
         "format_version": FORMAT_VERSION,
         "contract_version": digest.CONTRACT_VERSION,
         "engine": {"name": "bitexact", "version": __version__, "kernels_sha256": kernels_sha256(),
-                   "reference_sha256": sources_sha256(REFERENCE_SOURCES)},
+                   "reference_sha256": reference_sha256()},
         "backend": engine.device,
         "device": device_record(engine),
         "model": {"sha256": m.sha256, "architecture": m.arch, "quant_types": m.quant_types,

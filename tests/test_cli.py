@@ -69,20 +69,13 @@ def test_keygen_writes_private_0600_and_public(tmp_path):
     assert b"ENCRYPTED" not in (tmp_path / "KEY.pem").read_bytes()
 
 
-def test_keygen_refuses_to_overwrite_the_private_key(tmp_path):
-    write(tmp_path / "KEY.pem", b"precious")
+@pytest.mark.parametrize("existing", ["KEY.pem", "KEY.pub.pem"])
+def test_keygen_refuses_to_overwrite_either_file(tmp_path, existing):
+    write(tmp_path / existing, b"precious")
     p = bx(tmp_path, "keygen", "--out", "KEY.pem")
-    assert "KEY.pem" in assert_input_error(p)
-    assert listing(tmp_path) == ["KEY.pem"]
-    assert (tmp_path / "KEY.pem").read_bytes() == b"precious"
-
-
-def test_keygen_refuses_to_overwrite_the_public_key(tmp_path):
-    write(tmp_path / "KEY.pub.pem", b"precious")
-    p = bx(tmp_path, "keygen", "--out", "KEY.pem")
-    assert "KEY.pub.pem" in assert_input_error(p)
-    assert listing(tmp_path) == ["KEY.pub.pem"]
-    assert (tmp_path / "KEY.pub.pem").read_bytes() == b"precious"
+    assert existing in assert_input_error(p)
+    assert listing(tmp_path) == [existing]
+    assert (tmp_path / existing).read_bytes() == b"precious"
 
 
 def test_keygen_twice_keeps_the_first_key(tmp_path):
