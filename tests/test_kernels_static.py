@@ -31,14 +31,7 @@ def _cuobjdump():
     return None
 
 
-NVCC_OPTS = ["-arch=sm_90", "-std=c++17", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true"]
-
-
-def test_options_agree_with_runtime_options():
-    """The nvcc flags checked here are the ones NVRTC compiles with."""
-    flat = " ".join(COMPILE_OPTIONS)
-    for flag in ("sm_90", "c++17", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true"):
-        assert flag.split("=")[-1] in flat and flag.split("-arch=")[-1] in flat
+NVCC_OPTS = list(COMPILE_OPTIONS)  # the exact options NVRTC compiles with (nvcc accepts them)
 
 
 def test_every_kernel_file_is_loaded():
