@@ -1,7 +1,8 @@
 // bitexact: matrix products (docs/determinism.md section 5).
-// Kernels: quantize_q8, matmul_q, matmul_f. Launchers with shape checks:
-// node/backend_cuda.py (launch_quantize_q8, launch_matmul_q, launch_matmul_f),
-// in the same order. Twins: node/reference.py quantize_q8, matmul_q, matmul_f.
+// Kernels: quantize_q8, matmul_q, lane_major, matmul_f. Launchers with shape
+// checks: node/backend_cuda.py (launch_quantize_q8, launch_matmul_q,
+// launch_lane_major, launch_matmul_f), in the same order. Twins:
+// node/reference.py quantize_q8, matmul_q, lane_major, matmul_f.
 #include "common.cuh"
 
 // ---- quantize_q8: one warp per 32-element block of one token ----------------
@@ -34,7 +35,9 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 
 // ---- matmul_q: one warp per output row n, MQ_TM tokens per warp -------------
 // Lane l owns blocks l*g .. l*g+g-1 (g = ceil(nb/32)), adds r_b onto +0 in
-// order, then the xor-butterfly: the contract's warp_sum over blocks.
+// order, then the xor-butterfly: the contract's warp_sum over blocks. Up to
+// three matrices with the same K (Q/K/V, gate/up) in one launch, rows
+// concatenated; grid x walks token tiles so a row's tiles run together.
 #define MQ_TM 8
 
 // Decode weight block b of a row into 8 words of four int8 codes, the scale s,
@@ -91,15 +94,29 @@ __device__ __forceinline__ void bx_load_block(const unsigned char* __restrict__ 
     }
 }
 
-extern "C" __global__ void matmul_q(const unsigned char* __restrict__ W, int qtype, int row_bytes,
+extern "C" __global__ void matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
+                                    const unsigned char* __restrict__ W2, float* __restrict__ y0,
+                                    float* __restrict__ y1, float* __restrict__ y2, int N0, int N1, int N2,
+                                    int qt0, int qt1, int qt2, int rb0, int rb1, int rb2,
                                     const signed char* __restrict__ xq, const float* __restrict__ xd,
-                                    const int* __restrict__ xa, float* __restrict__ y, int M, int N, int K) {
+                                    const int* __restrict__ xa, int M, int K) {
     int lane = threadIdx.x & 31;
-    int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (n >= N) return;  // uniform per warp
+    int n = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const unsigned char* W = W0;
+    float* y = y0;
+    int N = N0, qtype = qt0, row_bytes = rb0;
+    if (n >= N0) {
+        n -= N0;
+        W = W1; y = y1; N = N1; qtype = qt1; row_bytes = rb1;
+        if (n >= N1) {
+            n -= N1;
+            W = W2; y = y2; N = N2; qtype = qt2; row_bytes = rb2;
+            if (n >= N2) return;  // uniform per warp
+        }
+    }
     int nb = K >> 5;
     int g = (nb + 31) >> 5;
-    int m0 = blockIdx.y * MQ_TM;
+    int m0 = blockIdx.x * MQ_TM;
     bool asym = qtype == BX_Q4_1 || qtype == BX_Q4_K;
     const unsigned char* row = W + (size_t)n * row_bytes;
     float acc[MQ_TM];
@@ -135,63 +152,109 @@ extern "C" __global__ void matmul_q(const unsigned char* __restrict__ W, int qty
     }
 }
 
-// ---- matmul_f: F32/F16/BF16 weights, fp32 products, warp_sum over K ---------
-__device__ __forceinline__ float bx_load_float(const unsigned char* __restrict__ row, int wtype, int k) {
-    if (wtype == BX_F32) return ((const float*)row)[k];
-    unsigned short h = ((const unsigned short*)row)[k];
-    return wtype == BX_F16 ? bx_half(h) : bx_bf16(h);
+// ---- lane_major: x [M, K] -> the lane-major layout matmul_f reads ----------
+// Element (l, j, e) = x[m, l*g + j*V + e] moves to (j*32 + l)*V + e, g = K/32.
+// A pure permutation. Twin: node/reference.py lane_major.
+extern "C" __global__ void lane_major(const float* __restrict__ x, float* __restrict__ xl, int M, int K, int V) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)M * K) return;
+    int m = (int)(i / K), c = (int)(i % K);
+    int e = c % V, l = (c / V) & 31, j = c / (32 * V);
+    xl[i] = x[(size_t)m * K + (size_t)l * (K >> 5) + j * V + e];
 }
 
-extern "C" __global__ void matmul_f(const unsigned char* __restrict__ W, int wtype, int row_bytes,
-                                    const float* __restrict__ x, float* __restrict__ y, int M, int N, int K) {
-    int lane = threadIdx.x & 31;
-    int n = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (n >= N) return;
-    int g = (K + 31) >> 5;
-    int m0 = blockIdx.y * MQ_TM;
-    const unsigned char* row = W + (size_t)n * row_bytes;
+// ---- matmul_f: F32/F16/BF16 weights, fp32 products, warp_sum over K ---------
+// Weights and x are lane-major (node/reference.py lane_major) with chunks of V
+// elements, so at step j the warp reads its 32 lanes' chunks as one contiguous
+// span (coalesced), yet lane l still adds the products of k = l*g .. l*g+g-1
+// one by one in ascending k, then the butterfly: the contract's warp_sum.
+// One warp per output row, MQ_TM tokens per warp; up to three matrices with
+// the same K and type (Q/K/V, gate/up) in one launch, rows concatenated.
+#define MF_WARPS 8
+
+template <int WT, int V>
+__device__ __forceinline__ void bx_decode_chunk(const unsigned int* u, float* w) {
+    if (WT == BX_F32) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) w[i] = __uint_as_float(u[i]);
+    } else if (V == 1) {
+        unsigned short h = (unsigned short)(u[0] & 0xFFFFu);
+        w[0] = WT == BX_F16 ? bx_half(h) : bx_bf16(h);
+    } else {
+#pragma unroll
+        for (int i = 0; i < V / 2; ++i) {
+            unsigned short lo = (unsigned short)(u[i] & 0xFFFFu), hi = (unsigned short)(u[i] >> 16);
+            w[2 * i] = WT == BX_F16 ? bx_half(lo) : bx_bf16(lo);
+            w[2 * i + 1] = WT == BX_F16 ? bx_half(hi) : bx_bf16(hi);
+        }
+    }
+}
+
+// Chunk of V elements of WT: CB bytes, loaded as NW 32-bit words (or one 16-bit).
+template <int WT, int V>
+struct BxChunk {
+    static constexpr int CB = V * (WT == BX_F32 ? 4 : 2);
+    static constexpr int NW = CB >= 4 ? CB / 4 : 1;
+    static constexpr int U = CB >= 8 ? 64 / CB : 8;  // chunks in flight per lane
+    unsigned int u[NW];
+    __device__ __forceinline__ void load(const unsigned char* __restrict__ row, int idx) {
+        const unsigned char* p = row + (size_t)idx * CB;
+        if (CB == 16) {
+            uint4 v = *(const uint4*)p;
+            u[0] = v.x; u[1] = v.y; u[2] = v.z; u[3] = v.w;
+        } else if (CB == 8) {
+            uint2 v = *(const uint2*)p;
+            u[0] = v.x; u[1] = v.y;
+        } else if (CB == 4) {
+            u[0] = *(const unsigned int*)p;
+        } else {
+            u[0] = *(const unsigned short*)p;
+        }
+    }
+};
+
+template <int V>
+__device__ __forceinline__ void bx_load_x(const float* __restrict__ p, float* xv) {
+    if (V % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < V; i += 4) {
+            float4 f = *(const float4*)(p + i);
+            xv[i] = f.x; xv[i + 1] = f.y; xv[i + 2] = f.z; xv[i + 3] = f.w;
+        }
+    } else if (V == 2) {
+        float2 f = *(const float2*)p;
+        xv[0] = f.x; xv[1] = f.y;
+    } else {
+        xv[0] = p[0];
+    }
+}
+
+template <int WT, int V>
+__device__ __forceinline__ void bx_matmul_f_row(const unsigned char* __restrict__ row, const float* __restrict__ xl,
+                                                float* __restrict__ y, int n, int N, int M, int m0, int K, int lane) {
+    using C = BxChunk<WT, V>;
+    int nj = (K >> 5) / V;
     float acc[MQ_TM];
 #pragma unroll
     for (int t = 0; t < MQ_TM; ++t) acc[t] = 0.0f;
-    int esize = wtype == BX_F32 ? 4 : 2, per16 = 16 / esize;
-    if (g % per16 == 0) {
-        // 16-byte loads; K only (a model dimension) selects this path, and the
-        // elements are still added one by one in ascending k.
-        for (int j = 0; j < g; j += per16) {
-            int k = lane * g + j;
-            if (k >= K) break;
-            uint4 v = *(const uint4*)(row + (size_t)k * esize);
-            float w[8];
-            if (wtype == BX_F32) {
-                w[0] = __uint_as_float(v.x); w[1] = __uint_as_float(v.y);
-                w[2] = __uint_as_float(v.z); w[3] = __uint_as_float(v.w);
-            } else {
-                unsigned int u[4] = {v.x, v.y, v.z, v.w};
+    for (int j0 = 0; j0 < nj; j0 += C::U) {
+        C w[C::U];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    unsigned short lo = (unsigned short)(u[i] & 0xFFFFu), hi = (unsigned short)(u[i] >> 16);
-                    w[2 * i] = wtype == BX_F16 ? bx_half(lo) : bx_bf16(lo);
-                    w[2 * i + 1] = wtype == BX_F16 ? bx_half(hi) : bx_bf16(hi);
-                }
-            }
+        for (int u = 0; u < C::U; ++u)
+            if (j0 + u < nj) w[u].load(row, (j0 + u) * 32 + lane);
+#pragma unroll
+        for (int u = 0; u < C::U; ++u) {
+            if (j0 + u >= nj) break;
+            asm volatile("" ::: "memory");  // keep x loads per chunk: bounds registers
+            float wf[V];
+            bx_decode_chunk<WT, V>(w[u].u, wf);
 #pragma unroll
             for (int t = 0; t < MQ_TM; ++t) {
-                int m = m0 + t;
-                if (m >= M) break;
-                const float* xr = x + (size_t)m * K + k;
-                for (int e = 0; e < per16; ++e) acc[t] = __fadd_rn(acc[t], __fmul_rn(xr[e], w[e]));
-            }
-        }
-    } else {
-        for (int j = 0; j < g; ++j) {
-            int k = lane * g + j;
-            if (k >= K) break;
-            float w = bx_load_float(row, wtype, k);
+                if (m0 + t >= M) break;
+                float xv[V];
+                bx_load_x<V>(xl + (size_t)(m0 + t) * K + (size_t)((j0 + u) * 32 + lane) * V, xv);
 #pragma unroll
-            for (int t = 0; t < MQ_TM; ++t) {
-                int m = m0 + t;
-                if (m >= M) break;
-                acc[t] = __fadd_rn(acc[t], __fmul_rn(x[(size_t)m * K + k], w));
+                for (int e = 0; e < V; ++e) acc[t] = __fadd_rn(acc[t], __fmul_rn(xv[e], wf[e]));
             }
         }
     }
@@ -200,4 +263,38 @@ extern "C" __global__ void matmul_f(const unsigned char* __restrict__ W, int wty
         float v = bx_butterfly(acc[t]);
         if (lane == 0 && m0 + t < M) y[(size_t)(m0 + t) * N + n] = v;
     }
+}
+
+template <int WT>
+__device__ __forceinline__ void bx_matmul_f_v(int V, const unsigned char* row, const float* xl, float* y, int n,
+                                              int N, int M, int m0, int K, int lane) {
+    if (V == 8) bx_matmul_f_row<WT, (WT == BX_F32 ? 4 : 8)>(row, xl, y, n, N, M, m0, K, lane);
+    else if (V == 4) bx_matmul_f_row<WT, 4>(row, xl, y, n, N, M, m0, K, lane);
+    else if (V == 2) bx_matmul_f_row<WT, 2>(row, xl, y, n, N, M, m0, K, lane);
+    else bx_matmul_f_row<WT, 1>(row, xl, y, n, N, M, m0, K, lane);
+}
+
+extern "C" __global__ void matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
+                                    const unsigned char* __restrict__ W2, float* __restrict__ y0,
+                                    float* __restrict__ y1, float* __restrict__ y2, int N0, int N1, int N2,
+                                    int wtype, int V, const float* __restrict__ xl, int M, int K) {
+    int lane = threadIdx.x & 31;
+    int r = blockIdx.y * MF_WARPS + (threadIdx.x >> 5);
+    const unsigned char* W = W0;
+    float* y = y0;
+    int N = N0;
+    if (r >= N0) {
+        r -= N0;
+        W = W1; y = y1; N = N1;
+        if (r >= N1) {
+            r -= N1;
+            W = W2; y = y2; N = N2;
+            if (r >= N2) return;  // uniform per warp
+        }
+    }
+    int m0 = blockIdx.x * MQ_TM;
+    const unsigned char* row = W + (size_t)r * K * (wtype == BX_F32 ? 4 : 2);
+    if (wtype == BX_F32) bx_matmul_f_v<BX_F32>(V, row, xl, y, r, N, M, m0, K, lane);
+    else if (wtype == BX_F16) bx_matmul_f_v<BX_F16>(V, row, xl, y, r, N, M, m0, K, lane);
+    else bx_matmul_f_v<BX_BF16>(V, row, xl, y, r, N, M, m0, K, lane);
 }

@@ -51,15 +51,21 @@ class CpuBackend:
     def rms_norm(self, x, name):
         return ref.rms_norm(x, self.vector(name), self.hp.rms_eps)
 
-    def quantize(self, x):
-        return ref.quantize_q8(x)
+    def linears(self, x, names):
+        """``[x @ W.T for W in names]``: x fp32 ``[M, K]``, each result fp32 ``[M, N_i]``.
 
-    def linear(self, x, xq, name):
-        """``x @ W.T`` for tensor ``name``; ``xq`` is ``quantize(x)`` (computed once per input)."""
-        w = self._weight(name)
-        if isinstance(w, np.ndarray):
-            return ref.matmul_f(x, w)
-        return ref.matmul_q(xq, w)
+        x is quantized once (``quantize_q8``) and shared by every quantized
+        weight in ``names`` (docs/determinism.md section 5).
+        """
+        xq, out = None, []
+        for name in names:
+            w = self._weight(name)
+            if isinstance(w, np.ndarray):
+                out.append(ref.matmul_f(x, w))
+            else:
+                xq = ref.quantize_q8(x) if xq is None else xq
+                out.append(ref.matmul_q(xq, w))
+        return out
 
     def rope(self, x, cos, sin):
         return ref.rope(x, cos, sin)

@@ -21,7 +21,7 @@ import numpy as np
 from .errors import BitexactError
 from .gguf_model import FLOAT_TYPES, Model, float_values
 from .kernels import COMPILE_OPTIONS
-from .reference import SPLIT_KV
+from .reference import SPLIT_KV, lane_major, lane_width
 
 QTYPE_IDS = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_1": 5, "Q4_K": 6, "Q6_K": 7}
 DEFAULT_PIN = "NVIDIA H200"
@@ -29,6 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.cu", "residual.cu",
                 "embed.cu", "sampler.cu")
 MQ_TM = 8  # tokens per warp in matmul_q / matmul_f (cuda/matmul.cu)
+MQ_WARPS, MF_WARPS = 4, 8  # output rows per block of matmul_q / matmul_f
+ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes replayed through CUDA graphs
 
 
@@ -121,16 +123,29 @@ class CudaBackend:
         try:
             mods = load_modules(cp)
             self.k = {n: mods[f].get_function(n) for f, names in (
-                ("matmul.cu", ("quantize_q8", "matmul_q", "matmul_f")), ("norm.cu", ("rms_norm",)),
+                ("matmul.cu", ("quantize_q8", "matmul_q", "lane_major", "matmul_f")), ("norm.cu", ("rms_norm",)),
                 ("rope.cu", ("rope",)), ("attention.cu", ("kv_store", "attention_split", "attention_combine")),
                 ("activation.cu", ("silu_gate",)), ("residual.cu", ("residual_add",)), ("embed.cu", ("embed",)),
                 ("sampler.cu", ("argmax",))) for n in names}
-            self._weights = {}
+            # Float matrices are kept lane-major for matmul_f (token_embd stays
+            # row-major for embed, plus a lane-major copy when it is the LM head).
+            self._weights, self._matrix = {}, {}
             for name, t in model.tensors.items():
                 if t.rows == 1 and t.qtype in FLOAT_TYPES:
                     self._weights[name] = cp.asarray(float_values(t)[0])
+                    continue
+                raw = np.ascontiguousarray(t.raw)
+                if t.qtype in FLOAT_TYPES:
+                    if name == "token_embd.weight":
+                        self._weights[name] = cp.asarray(raw)
+                    if name != "token_embd.weight" or model.tied_output:
+                        if t.cols % 32:
+                            raise GpuError(f"{name}: the CUDA engine needs float matrices with K % 32 == 0, "
+                                           f"got K={t.cols}")
+                        elem = raw.view(np.uint32 if ESIZE[t.qtype] == 4 else np.uint16)
+                        self._matrix[name] = cp.asarray(lane_major(elem, lane_width(t.cols, ESIZE[t.qtype])))
                 else:
-                    self._weights[name] = cp.asarray(np.ascontiguousarray(t.raw))
+                    self._weights[name] = self._matrix[name] = cp.asarray(raw)
             hp = self.hp
             self.page_floats = hp.n_head_kv * SPLIT_KV * hp.head_dim
             page_bytes = 2 * hp.n_layer * self.page_floats * 4
@@ -191,30 +206,62 @@ class CudaBackend:
         self.k["quantize_q8"](((threads + 255) // 256,), (256,), (x, q, d, a, np.int32(m), np.int32(k)))
         return q, d, a
 
-    def launch_matmul_q(self, xq, name):
+    def _fused(self, names):
+        """Tensors of one fused launch: at most three, one K; returns (tensors, outputs' N)."""
+        ts = [self.model.tensors[n] for n in names]
+        _check(1 <= len(ts) <= 3 and len({t.cols for t in ts}) == 1, f"fused matmul of {names}: 1-3 tensors, one K")
+        return ts, [t.rows for t in ts] + [0] * (3 - len(ts))
+
+    def _matmul_grid(self, m, rows, warps):
+        blocks = -(-sum(rows) // warps)
+        _check(blocks <= 65535, f"matmul rows {sum(rows)} exceed the grid")
+        return ((m + MQ_TM - 1) // MQ_TM, blocks)
+
+    def launch_matmul_q(self, xq, names):
+        """Quantized products of one quantized input with 1-3 matrices of the same K; list of fp32 [M, N_i]."""
         cp = self.cp
-        t = self.model.tensors[name]
+        ts, rows = self._fused(names)
         q, d, a = xq
         m, k = q.shape
-        _check(k == t.cols and d.shape == (m, k // 32) and a.shape == (m, k // 32), f"matmul_q {name} K={t.cols}")
-        y = cp.empty((m, t.rows), cp.float32)
-        grid = ((t.rows + 3) // 4, (m + MQ_TM - 1) // MQ_TM)
-        self.k["matmul_q"](grid, (128,), (self._weights[name], np.int32(QTYPE_IDS[t.qtype]),
-                                          np.int32(t.raw.shape[1]), q, d, a, y, np.int32(m),
-                                          np.int32(t.rows), np.int32(k)))
-        return y
+        _check(k == ts[0].cols and d.shape == (m, k // 32) and a.shape == (m, k // 32),
+               f"matmul_q {names} K={ts[0].cols}")
+        _check(all(t.qtype not in FLOAT_TYPES for t in ts), "matmul_q takes quantized weights")
+        ys = [cp.empty((m, t.rows), cp.float32) for t in ts]
+        pad = 3 - len(ts)
+        w = [self._matrix[t.name] for t in ts] + [self._matrix[ts[0].name]] * pad
+        yy = ys + [ys[0]] * pad
+        qt = [QTYPE_IDS[t.qtype] for t in ts] + [0] * pad
+        rb = [t.raw.shape[1] for t in ts] + [0] * pad
+        self.k["matmul_q"](self._matmul_grid(m, rows, MQ_WARPS), (32 * MQ_WARPS,),
+                           (*w, *yy, *(np.int32(r) for r in rows), *(np.int32(v) for v in qt),
+                            *(np.int32(v) for v in rb), q, d, a, np.int32(m), np.int32(k)))
+        return ys
 
-    def launch_matmul_f(self, x, name):
+    def launch_lane_major(self, x, v):
+        """fp32 [M, K] -> the lane-major layout of reference.lane_major with chunks of v elements."""
         cp = self.cp
-        t = self.model.tensors[name]
         m, k = x.shape
-        _check(x.dtype == cp.float32 and x.flags.c_contiguous and k == t.cols, f"matmul_f {name} K={t.cols}")
-        y = cp.empty((m, t.rows), cp.float32)
-        grid = ((t.rows + 3) // 4, (m + MQ_TM - 1) // MQ_TM)
-        self.k["matmul_f"](grid, (128,), (self._weights[name], np.int32(QTYPE_IDS[t.qtype]),
-                                          np.int32(t.raw.shape[1]), x, y, np.int32(m), np.int32(t.rows),
-                                          np.int32(k)))
-        return y
+        _check(x.dtype == cp.float32 and x.flags.c_contiguous and k % 32 == 0 and v in (1, 2, 4, 8)
+               and (k // 32) % v == 0, "lane_major x fp32 [M, K%32==0], V | K/32")
+        out = cp.empty_like(x)
+        self.k["lane_major"](((m * k + 255) // 256,), (256,), (x, out, np.int32(m), np.int32(k), np.int32(v)))
+        return out
+
+    def launch_matmul_f(self, xl, names):
+        """Float-weight products of one lane-major input with 1-3 matrices of one type and K; list of fp32 [M, N_i]."""
+        cp = self.cp
+        ts, rows = self._fused(names)
+        m, k = xl.shape
+        _check(xl.dtype == cp.float32 and xl.flags.c_contiguous and k == ts[0].cols, f"matmul_f {names} K={k}")
+        _check(len({t.qtype for t in ts}) == 1 and ts[0].qtype in FLOAT_TYPES, "matmul_f: one float weight type")
+        ys = [cp.empty((m, t.rows), cp.float32) for t in ts]
+        pad = 3 - len(ts)
+        w = [self._matrix[t.name] for t in ts] + [self._matrix[ts[0].name]] * pad
+        yy = ys + [ys[0]] * pad
+        self.k["matmul_f"](self._matmul_grid(m, rows, MF_WARPS), (32 * MF_WARPS,),
+                           (*w, *yy, *(np.int32(r) for r in rows), np.int32(QTYPE_IDS[ts[0].qtype]),
+                            np.int32(lane_width(k, ESIZE[ts[0].qtype])), xl, np.int32(m), np.int32(k)))
+        return ys
 
     def launch_rms_norm(self, x, w, eps):
         cp = self.cp
@@ -301,13 +348,29 @@ class CudaBackend:
     def rms_norm(self, x, name):
         return self.launch_rms_norm(x, self._weights[name], self.hp.rms_eps)
 
-    def quantize(self, x):
-        return self.launch_quantize_q8(self.cp.ascontiguousarray(x))
+    def linears(self, x, names):
+        """``[x @ W.T for W in names]`` (same K): x fp32 ``[M, K]``; results fp32 ``[M, N_i]``.
 
-    def linear(self, x, xq, name):
-        if self.model.tensors[name].qtype in FLOAT_TYPES:
-            return self.launch_matmul_f(self.cp.ascontiguousarray(x), name)
-        return self.launch_matmul_q(xq, name)
+        x is quantized once for the quantized weights and laid out lane-major
+        once per chunk width for the float weights; weights of one route (and
+        float type) share one fused launch.
+        """
+        x = self.cp.ascontiguousarray(x)
+        k = x.shape[1]
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            qt = self.model.tensors[name].qtype
+            groups.setdefault(qt if qt in FLOAT_TYPES else "q", []).append(i)
+        out = [None] * len(names)
+        for key, idx in groups.items():
+            if key == "q":
+                ys = self.launch_matmul_q(self.launch_quantize_q8(x), [names[i] for i in idx])
+            else:
+                ys = self.launch_matmul_f(self.launch_lane_major(x, lane_width(k, ESIZE[key])),
+                                          [names[i] for i in idx])
+            for i, y in zip(idx, ys):
+                out[i] = y
+        return out
 
     def rope(self, x, cos, sin):
         return self.launch_rope(self.cp.ascontiguousarray(x), cos, sin)

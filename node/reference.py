@@ -105,6 +105,35 @@ def matmul_f(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
+def lane_width(k: int, esize: int) -> int:
+    """Elements ``V`` per lane chunk for rows of ``K`` elements of ``esize`` bytes.
+
+    The largest of ``16 / esize, ..., 2, 1`` that divides ``g = K / 32`` (so a
+    lane's chunk is one 16-byte load when possible). Depends on K only.
+    Raises ValueError when ``K % 32 != 0``.
+    """
+    if k % WARP:
+        raise ValueError(f"lane-major layout needs K % 32 == 0, got K={k}")
+    v = 16 // esize
+    while (k // WARP) % v:
+        v //= 2
+    return v
+
+
+def lane_major(a: np.ndarray, v: int) -> np.ndarray:
+    """Reorder the last axis (``K = 32 g``) into lane-major chunks of ``v`` elements.
+
+    Chunk ``(l, j)``, the elements ``l*g + j*v .. l*g + j*v + v - 1`` that lane
+    ``l`` of :func:`warp_sum` adds at its step ``j``, moves to
+    ``(j*32 + l) * v``. A pure permutation of any dtype (no arithmetic): a warp
+    then reads its 32 lanes' step-``j`` chunks as one contiguous span.
+    ``a`` ``[..., K]``; returns a new array of the same shape and dtype.
+    """
+    *lead, k = a.shape
+    g = k // WARP
+    return np.ascontiguousarray(a.reshape(*lead, WARP, g // v, v).swapaxes(-3, -2)).reshape(*lead, k)
+
+
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """RoPE (Su et al. 2021, arXiv:2104.09864) on adjacent pairs (ggml ROPE_TYPE_NORM).
 

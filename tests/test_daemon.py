@@ -1,6 +1,9 @@
 """The operator daemon: OpenAI API, continuous batching that never changes bytes,
 durable attestations, draining, and bad input. Runs `bitexact serve` on the
-default model (CPU) on loopback and talks to it with the official `openai` client."""
+default model on loopback and talks to it with the official `openai` client.
+The daemon runs the CPU engine; ``BITEXACT_TEST_DEVICE=cuda`` (scripts/gpu_check.sh)
+runs the same tests against the CUDA engine. Solo digests always come from the
+CPU reference engine."""
 
 import concurrent.futures
 import json
@@ -23,7 +26,7 @@ from node.gguf_model import default_model_path, load_model
 from node.sampler import SamplingParams
 from node.tokenizer import Tokenizer
 
-KEYDIR = None
+DEVICE = os.environ.get("BITEXACT_TEST_DEVICE", "cpu")
 
 
 def free_port():
@@ -37,7 +40,7 @@ class Daemon:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "node.cli", "serve", "--key", key, "--data-dir", data_dir,
-                     "--port", str(self.port), "--device", "cpu", *extra]
+                     "--port", str(self.port), "--device", DEVICE, *extra]
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         end = time.time() + 90
         while time.time() < end:

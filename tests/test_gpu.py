@@ -74,23 +74,49 @@ def test_quantize_q8_twin(backends, m):
         assert_same(w, g, what)
 
 
+@pytest.mark.parametrize("v", [1, 2, 4, 8])
+def test_lane_major_twin(backends, v):
+    be = backends["BF16"]
+    x = np.random.default_rng(v).standard_normal((3, 512)).astype(F32)
+    assert_same(ref.lane_major(x, v), be.to_host(be.launch_lane_major(be.from_host(x), v)), "lane_major")
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("m", [1, 5, 8, 17])
 def test_matmul_twin(models, backends, qtype, m):
+    """Single and fused (gate+up in one launch) products equal the numpy twins."""
     be, model = backends[qtype], models[qtype]
     rng = np.random.default_rng(100 + m)
-    for name in ("blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "output.weight"):
-        t = model.tensors[name]
-        x = rng.standard_normal((m, t.cols)).astype(F32)
+    for names in (("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"), ("blk.0.ffn_down.weight",),
+                  ("output.weight",), ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight")):
+        ts = [model.tensors[n] for n in names]
+        x = rng.standard_normal((m, ts[0].cols)).astype(F32)
         xq = ref.quantize_q8(x)
         if qtype in ("F32", "F16", "BF16"):
-            want = ref.matmul_f(x, float_values(t))
-            got = be.launch_matmul_f(be.from_host(x), name)
+            want = [ref.matmul_f(x, float_values(t)) for t in ts]
+            v = ref.lane_width(ts[0].cols, 4 if qtype == "F32" else 2)
+            got = be.launch_matmul_f(be.from_host(ref.lane_major(x, v)), list(names))
         else:
-            want = ref.matmul_q(xq, ref.RefQuantWeight(*decode_blocks(qtype, t.raw)))
+            want = [ref.matmul_q(xq, ref.RefQuantWeight(*decode_blocks(qtype, t.raw))) for t in ts]
             got = be.launch_matmul_q(tuple(be.from_host(a.reshape(m, -1) if i == 0 else a)
-                                           for i, a in enumerate(xq)), name)
-        assert_same(want, be.to_host(got), name)
+                                           for i, a in enumerate(xq)), list(names))
+        for name, w, g in zip(names, want, got):
+            assert_same(w, be.to_host(g), name)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16"])
+def test_matmul_f_narrow_chunks(tmp_path, qtype):
+    """K = 96 and 160 (K/32 odd): one-element lane chunks, the narrowest layout."""
+    from node.backend_cuda import CudaBackend
+    model = load_model(write_model(str(tmp_path / "odd.gguf"), (96, 1, 4, 2, 160, 50), qtype, seed=3))
+    be = CudaBackend(model, pin=None, kv_pages=8)
+    x = np.random.default_rng(1).standard_normal((5, 96)).astype(F32)
+    got = be.linears(be.from_host(x), ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"])
+    for name, g in zip(("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"), got):
+        assert_same(ref.matmul_f(x, float_values(model.tensors[name])), be.to_host(g), name)
+    h = np.random.default_rng(2).standard_normal((3, 160)).astype(F32)
+    (got,) = be.linears(be.from_host(h), ["blk.0.ffn_down.weight"])
+    assert_same(ref.matmul_f(h, float_values(model.tensors["blk.0.ffn_down.weight"])), be.to_host(got), "down")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

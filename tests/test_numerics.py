@@ -44,6 +44,19 @@ def test_warp_sum_order_is_observable():
     assert ref.warp_sum(t) != seq
 
 
+@pytest.mark.parametrize("k,esize,v", [(4096, 2, 8), (4096, 4, 4), (576, 2, 2), (96, 2, 1), (14336, 2, 8)])
+def test_lane_major_gives_each_lane_its_segment_in_order(k, esize, v):
+    """Reading chunk j*32+l for j = 0, 1, ... gives lane l exactly k = l*g .. l*g+g-1, ascending."""
+    assert ref.lane_width(k, esize) == v
+    g = k // 32
+    b = ref.lane_major(np.arange(2 * k).reshape(2, k), v)
+    for lane in range(32):
+        got = np.concatenate([b[1, (j * 32 + lane) * v:(j * 32 + lane + 1) * v] for j in range(g // v)])
+        assert got.tolist() == list(range(k + lane * g, k + (lane + 1) * g))
+    with pytest.raises(ValueError, match="K % 32"):
+        ref.lane_width(100, 2)
+
+
 def test_exp32_accuracy_and_specials():
     x = np.linspace(-87, 88.7, 1_000_001).astype(F32)
     y = exp32(x).astype(np.float64)
