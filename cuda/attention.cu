@@ -62,11 +62,13 @@ extern "C" __global__ void attention_split(const float* __restrict__ q, const fl
         }
         s = __fmul_rn(bx_tree32(lanes), scale);
     }
-    e[j] = s;
+    float mx = s;  // max is exact in any order: warp shuffles, then the 8 warp maxima
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(BX_FULL, mx, off));
+    if ((j & 31) == 0) e[j >> 5] = mx;
     __syncthreads();
-    if (j == 0) {  // max is exact in any order
-        float mx = e[0];
-        for (int i = 1; i < SPLIT_KV; ++i) mx = fmaxf(mx, e[i]);
+    if (j == 0) {
+        for (int i = 1; i < SPLIT_KV / 32; ++i) mx = fmaxf(mx, e[i]);
         m_c = mx;
     }
     __syncthreads();
