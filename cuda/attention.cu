@@ -109,9 +109,10 @@ extern "C" __global__ void attention_split(const float* __restrict__ q, const fl
 }
 
 // One block per (token, head), thread d: combine splits 0 .. p/256 in order.
+// out [T, H*hd]: row-major (V == 0) or lane-major with chunks of V for matmul_f.
 extern "C" __global__ void attention_combine(const float* __restrict__ part_m, const float* __restrict__ part_l,
                                              const float* __restrict__ part_o, const int* __restrict__ qpos,
-                                             float* __restrict__ out, int T, int H, int hd, int max_splits) {
+                                             float* __restrict__ out, int T, int H, int hd, int max_splits, int V) {
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     if (d >= hd) return;
     int n_split = qpos[t] / SPLIT_KV + 1;
@@ -124,5 +125,5 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_m, c
         L = __fadd_rn(L, __fmul_rn(part_l[base + c], w));
         O = __fadd_rn(O, __fmul_rn(part_o[(base + c) * hd + d], w));
     }
-    out[((size_t)t * H + h) * hd + d] = __fdiv_rn(O, L);
+    out[(size_t)t * H * hd + bx_lane_pos(h * hd + d, H * hd, V)] = __fdiv_rn(O, L);
 }

@@ -60,6 +60,14 @@ __device__ __forceinline__ float bx_exp32(float x) {
     return __fmul_rn(__fmul_rn(p, __int_as_float((n1 + 127) << 23)), __int_as_float((n2 + 127) << 23));
 }
 
+// Position of element k of a K-element row in the lane-major layout with
+// chunks of V elements (node/reference.py lane_major); V == 0: row-major.
+__device__ __forceinline__ int bx_lane_pos(int k, int K, int V) {
+    if (V == 0) return k;
+    int g = K >> 5, l = k / g, r = k - l * g;
+    return ((r / V) * 32 + l) * V + r % V;
+}
+
 // Weight type ids shared with node/backend_cuda.py (QTYPE_IDS).
 #define BX_F32 0
 #define BX_F16 1

@@ -48,7 +48,8 @@ class CpuBackend:
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         return dequantize_rows(self.model.tensors["token_embd.weight"], tokens)
 
-    def rms_norm(self, x, name):
+    def rms_norm(self, x, name, feeds=()):
+        """RMSNorm of fp32 ``[M, K]``; ``feeds`` (the products reading the result) only matters on the GPU."""
         return ref.rms_norm(x, self.vector(name), self.hp.rms_eps)
 
     def linears(self, x, names):
@@ -70,7 +71,7 @@ class CpuBackend:
     def rope(self, x, cos, sin):
         return ref.rope(x, cos, sin)
 
-    def silu_gate(self, g, u):
+    def silu_gate(self, g, u, feeds=()):
         return ref.silu_gate(g, u)
 
     def residual_add(self, x, y):
@@ -117,9 +118,10 @@ class CpuBackend:
                     grown[:, :, :cache[i].shape[2]] = cache[i]
                     cache[i] = grown
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, feeds=()):
         """Store k, v (fp32 ``[M, Hkv, hd]``) at their positions, then return
-        attention of q (fp32 ``[M, H, hd]``), each token over its own sequence."""
+        attention of q (fp32 ``[M, H, hd]``), each token over its own sequence,
+        as fp32 ``[M, H*hd]``."""
         out = np.empty_like(q)
         for seq, a, b in self._spans:
             kc, vc = self._kv[seq][0][layer], self._kv[seq][1][layer]
@@ -127,4 +129,4 @@ class CpuBackend:
             kc[:, pos] = k[a:b].transpose(1, 0, 2)
             vc[:, pos] = v[a:b].transpose(1, 0, 2)
             out[a:b] = ref.attention(q[a:b], kc, vc, pos)
-        return out
+        return out.reshape(len(q), -1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +33,14 @@ MQ_TM = 8  # tokens per warp in matmul_q / matmul_f (cuda/matmul.cu)
 MQ_WARPS, MF_WARPS = 4, 8  # output rows per block of matmul_q / matmul_f
 ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes replayed through CUDA graphs
+
+
+class LaneMajor(NamedTuple):
+    """fp32 activations ``[M, K]`` already in :func:`node.reference.lane_major`
+    layout with chunks of ``v`` elements, as written by a producer kernel for
+    the float-weight products that read them."""
+    data: object
+    v: int
 
 
 class GpuError(BitexactError):
@@ -263,12 +272,18 @@ class CudaBackend:
                             np.int32(lane_width(k, ESIZE[ts[0].qtype])), xl, np.int32(m), np.int32(k)))
         return ys
 
-    def launch_rms_norm(self, x, w, eps):
+    def _check_width(self, k, v, what):
+        _check(v == 0 or (v in (1, 2, 4, 8) and k % 32 == 0 and (k // 32) % v == 0),
+               f"{what}: lane-major chunk width {v} must divide K/32 (K={k})")
+
+    def launch_rms_norm(self, x, w, eps, v=0):
+        """RMSNorm of fp32 x [M, K]; output row-major (v = 0) or lane-major with chunks of v."""
         cp = self.cp
         m, k = x.shape
         _check(x.dtype == cp.float32 and x.flags.c_contiguous and w.shape == (k,), "rms_norm x [M, K], w [K]")
+        self._check_width(k, v, "rms_norm")
         y = cp.empty_like(x)
-        self.k["rms_norm"](((m + 3) // 4,), (128,), (x, w, y, np.int32(m), np.int32(k), np.float32(eps)))
+        self.k["rms_norm"]((m,), (128,), (x, w, y, np.int32(m), np.int32(k), np.float32(eps), np.int32(v)))
         return y
 
     def launch_rope(self, x, cos, sin):
@@ -288,7 +303,9 @@ class CudaBackend:
         self.k["kv_store"](((n + 255) // 256,), (256,), (k, v, self.kp[layer], self.vp[layer], self._tok_page,
                                                          self._tok_slot, np.int32(t), np.int32(hkv), np.int32(hd)))
 
-    def launch_attention(self, q):
+    def launch_attention(self, q, v=0):
+        """Attention of q fp32 [T, H, hd] over the step's pages; returns fp32 [T, H*hd],
+        row-major (v = 0) or lane-major with chunks of v."""
         cp = self.cp
         t, h, hd = q.shape
         hkv = self.hp.n_head_kv
@@ -303,15 +320,19 @@ class CudaBackend:
                                                             self._qpos, pm, pl, po, np.int32(t), np.int32(h),
                                                             np.int32(hkv), np.int32(hd), np.int32(ms), scale),
                                   shared_mem=smem)
-        out = cp.empty_like(q)
+        self._check_width(h * hd, v, "attention")
+        out = cp.empty((t, h * hd), cp.float32)
         self.k["attention_combine"]((t, h), (hd,), (pm, pl, po, self._qpos, out, np.int32(t), np.int32(h),
-                                                     np.int32(hd), np.int32(ms)))
+                                                     np.int32(hd), np.int32(ms), np.int32(v)))
         return out
 
-    def launch_silu_gate(self, g, u):
+    def launch_silu_gate(self, g, u, v=0):
+        """SiLU gate of fp32 g, u [..., K]; output row-major (v = 0) or lane-major with chunks of v."""
         _check(g.shape == u.shape and g.flags.c_contiguous and u.flags.c_contiguous, "silu_gate shapes")
+        k = g.shape[-1]
+        self._check_width(k, v, "silu_gate")
         out = self.cp.empty_like(g)
-        self.k["silu_gate"](((g.size + 255) // 256,), (256,), (g, u, out, np.int64(g.size)))
+        self.k["silu_gate"](((g.size + 255) // 256,), (256,), (g, u, out, np.int64(g.size), np.int32(k), np.int32(v)))
         return out
 
     def launch_residual_add(self, x, y):
@@ -345,16 +366,31 @@ class CudaBackend:
     def embed(self, tokens):
         return self.launch_embed(tokens)
 
-    def rms_norm(self, x, name):
-        return self.launch_rms_norm(x, self._weights[name], self.hp.rms_eps)
+    def _feed_width(self, feeds) -> int:
+        """Chunk width V when every weight in ``feeds`` is a float matrix of one
+        element size (their input can be written lane-major), else 0."""
+        sizes = {ESIZE.get(self.model.tensors[n].qtype) for n in feeds}
+        if not feeds or None in sizes or len(sizes) != 1:
+            return 0
+        return lane_width(self.model.tensors[feeds[0]].cols, sizes.pop())
+
+    def rms_norm(self, x, name, feeds=()):
+        """RMSNorm; written lane-major when every product in ``feeds`` has float weights."""
+        v = self._feed_width(feeds)
+        y = self.launch_rms_norm(self.cp.ascontiguousarray(x), self._weights[name], self.hp.rms_eps, v)
+        return LaneMajor(y, v) if v else y
 
     def linears(self, x, names):
-        """``[x @ W.T for W in names]`` (same K): x fp32 ``[M, K]``; results fp32 ``[M, N_i]``.
+        """``[x @ W.T for W in names]`` (same K): x fp32 ``[M, K]`` (or :class:`LaneMajor`);
+        results fp32 ``[M, N_i]``.
 
         x is quantized once for the quantized weights and laid out lane-major
-        once per chunk width for the float weights; weights of one route (and
-        float type) share one fused launch.
+        once per chunk width for the float weights (unless its producer already
+        wrote it so); weights of one route (and float type) share one fused launch.
         """
+        if isinstance(x, LaneMajor):
+            _check(self._feed_width(names) == x.v, f"lane-major input of width {x.v} does not match {names}")
+            return self.launch_matmul_f(x.data, list(names))
         x = self.cp.ascontiguousarray(x)
         k = x.shape[1]
         groups: dict[str, list[int]] = {}
@@ -375,8 +411,11 @@ class CudaBackend:
     def rope(self, x, cos, sin):
         return self.launch_rope(self.cp.ascontiguousarray(x), cos, sin)
 
-    def silu_gate(self, g, u):
-        return self.launch_silu_gate(g, u)
+    def silu_gate(self, g, u, feeds=()):
+        """SiLU gate; written lane-major when every product in ``feeds`` has float weights."""
+        v = self._feed_width(feeds)
+        y = self.launch_silu_gate(g, u, v)
+        return LaneMajor(y, v) if v else y
 
     def residual_add(self, x, y):
         return self.launch_residual_add(x, y)
@@ -490,7 +529,11 @@ class CudaBackend:
         e["graph"].launch(self.stream)
         return self.to_host(e["out"][:m])
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer, q, k, v, feeds=()):
+        """Store k, v (fp32 ``[M, Hkv, hd]``) and attend with q (fp32 ``[M, H, hd]``); returns
+        fp32 ``[M, H*hd]``, lane-major when every product in ``feeds`` has float weights."""
         self.launch_kv_store(layer, self.cp.ascontiguousarray(k), self.cp.ascontiguousarray(v))
         self._layer_k, self._layer_v = self.kp[layer], self.vp[layer]
-        return self.launch_attention(self.cp.ascontiguousarray(q))
+        width = self._feed_width(feeds)
+        y = self.launch_attention(self.cp.ascontiguousarray(q), width)
+        return LaneMajor(y, width) if width else y

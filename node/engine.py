@@ -127,14 +127,16 @@ class Engine:
         x = be.embed(tok)
         for layer in range(hp.n_layer):
             p = f"blk.{layer}."
-            h = be.rms_norm(x, p + "attn_norm.weight")
-            q, k, v = be.linears(h, (p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"))
+            qkv = (p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight")
+            q, k, v = be.linears(be.rms_norm(x, p + "attn_norm.weight", qkv), qkv)
             q = be.rope(q.reshape(m, hp.n_head, hp.head_dim), cos, sin)
             k = be.rope(k.reshape(m, hp.n_head_kv, hp.head_dim), cos, sin)
-            att = be.attend(layer, q, k, v.reshape(m, hp.n_head_kv, hp.head_dim)).reshape(m, hp.n_embd)
-            x = be.residual_add(x, be.linears(att, (p + "attn_output.weight",))[0])
-            h = be.rms_norm(x, p + "ffn_norm.weight")
-            g, u = be.linears(h, (p + "ffn_gate.weight", p + "ffn_up.weight"))
-            x = be.residual_add(x, be.linears(be.silu_gate(g, u), (p + "ffn_down.weight",))[0])
-        h = be.rms_norm(x[rows], "output_norm.weight")
-        return be.linears(h, (self.model.output.name,))[0]
+            o = (p + "attn_output.weight",)
+            att = be.attend(layer, q, k, v.reshape(m, hp.n_head_kv, hp.head_dim), o)
+            x = be.residual_add(x, be.linears(att, o)[0])
+            gu = (p + "ffn_gate.weight", p + "ffn_up.weight")
+            g, u = be.linears(be.rms_norm(x, p + "ffn_norm.weight", gu), gu)
+            down = (p + "ffn_down.weight",)
+            x = be.residual_add(x, be.linears(be.silu_gate(g, u, down), down)[0])
+        out = (self.model.output.name,)
+        return be.linears(be.rms_norm(x[rows], "output_norm.weight", out), out)[0]

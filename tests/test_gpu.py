@@ -131,8 +131,15 @@ def test_elementwise_twins(backends):
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((7, 256)) * 3).astype(F32)
     w = rng.standard_normal(256).astype(F32)
-    assert_same(ref.rms_norm(x, w, 1e-5), be.to_host(be.launch_rms_norm(be.from_host(x), be.from_host(w), 1e-5)),
-                "rms_norm")
+    for width in (0, 8, 1):
+        want = ref.rms_norm(x, w, 1e-5)
+        want = ref.lane_major(want, width) if width else want
+        assert_same(want, be.to_host(be.launch_rms_norm(be.from_host(x), be.from_host(w), 1e-5, width)),
+                    f"rms_norm width {width}")
+    g2 = (rng.standard_normal((3, 512)) * 8).astype(F32)
+    u2 = rng.standard_normal((3, 512)).astype(F32)
+    assert_same(ref.lane_major(ref.silu_gate(g2, u2), 4),
+                be.to_host(be.launch_silu_gate(be.from_host(g2), be.from_host(u2), 4)), "silu lane-major")
     g = np.concatenate([rng.standard_normal(4000) * 30, [0.0, -0.0, 88.7, 89.0, -104.5, -103.9, 1e-40, -1e-40]])
     g = g.astype(F32)
     u = rng.standard_normal(g.size).astype(F32)
@@ -166,8 +173,11 @@ def test_attention_twin_multi_split(models):
     pos = np.arange(n)
     be.begin_step([(1, 0, n)], pos)
     got = be.to_host(be.attend(0, be.from_host(q), be.from_host(k), be.from_host(v)))
-    want = ref.attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), pos)
+    want = ref.attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), pos).reshape(n, -1)
     assert_same(want, got, "attention")
+    for width in (8, 2):   # written lane-major for a float-weight output projection
+        assert_same(ref.lane_major(want, width), be.to_host(be.launch_attention(be.from_host(q), width)),
+                    f"attention lane-major {width}")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
