@@ -24,17 +24,26 @@ class Engine:
 
     ``device`` is ``"cpu"`` (numpy reference) or ``"cuda"`` (CuPy kernels).
     ``n_ctx`` is the context length in tokens (default: the model's training
-    context, at most 8192). ``cuda_opts`` (``pin``, ``kv_pages``) go to
-    :class:`~node.backend_cuda.CudaBackend`.
+    context, at most 8192). ``tp`` (1, 2, 4, 8) runs the numpy engine sharded
+    as that many tensor-parallel ranks would (:mod:`node.tp`); the bytes are
+    those of ``tp = 1``. ``cuda_opts`` (``pin``, ``kv_pages``) go to
+    :class:`~node.backend_cuda.CudaBackend`. Raises :class:`RequestError` for an
+    unknown device or ``tp > 1`` on cuda, :class:`ModelError` for a ``tp`` the
+    model's heads cannot be split by.
     """
 
-    def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None, **cuda_opts):
+    def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None, tp: int = 1, **cuda_opts):
         self.model = model
         self.hp = hp = model.hparams
         self.n_ctx = int(n_ctx or min(hp.n_ctx_train, 8192))
-        if device == "cpu":
+        if device == "cpu" and tp != 1:
+            from .tp import TpCpuBackend
+            self.backend = TpCpuBackend(model, tp)
+        elif device == "cpu":
             from .backend_cpu import CpuBackend
             self.backend = CpuBackend(model)
+        elif device == "cuda" and tp != 1:
+            raise RequestError("tensor parallelism runs on the CPU emulation only in this version (tp=1 on cuda)")
         elif device == "cuda":
             from .backend_cuda import CudaBackend
             self.backend = CudaBackend(model, n_ctx=self.n_ctx, **cuda_opts)

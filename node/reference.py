@@ -23,6 +23,39 @@ WARP = 32          # lanes in the fixed reduction tree
 SPLIT_KV = 256     # key positions per attention split (fixed, never a split count)
 
 
+def subtree_sum(t: np.ndarray, g: int, lanes: int, axis: int = -1) -> np.ndarray:
+    """The part of the contract tree that ``lanes`` consecutive lanes compute.
+
+    ``t`` holds the terms of those lanes in order along ``axis`` (at most
+    ``lanes * g``; lanes past the end hold none). Lane ``l`` adds terms
+    ``l*g .. l*g+g-1`` one by one onto +0.0; then the lane values are added
+    pairwise, neighbours first (offsets 1, 2, 4, ...), until one value is left.
+    ``lanes`` is a power of two dividing 32. With ``lanes = 32`` this is
+    :func:`warp_sum`; a tensor-parallel rank that owns ``32/T`` lanes of K
+    computes its partial with ``lanes = 32/T``, and the T partials combine as
+    ``subtree_sum(partials, 1, T)`` (docs/determinism.md section 3).
+    Returns fp32 with ``axis`` removed.
+    """
+    t = np.moveaxis(np.asarray(t, dtype=F32), axis, 0)
+    n = t.shape[0]
+    if lanes & (lanes - 1) or WARP % lanes or n > lanes * g:
+        raise ValueError(f"{n} terms do not fit {lanes} lanes of {g}")
+    if n < lanes * g:
+        t = np.concatenate([t, np.zeros((lanes * g - n,) + t.shape[1:], F32)], axis=0)
+    t = t.reshape((lanes, g) + t.shape[1:])
+    acc = np.zeros((lanes,) + t.shape[2:], F32)
+    for j in range(g):
+        acc = acc + t[:, j]
+    while acc.shape[0] > 1:
+        acc = acc[0::2] + acc[1::2]
+    return acc[0]
+
+
+def lane_terms(n: int) -> int:
+    """Terms per lane ``g = max(1, ceil(n / 32))`` of a ``warp_sum`` over ``n`` terms."""
+    return max(1, -(-n // WARP))
+
+
 def warp_sum(t: np.ndarray, axis: int = -1) -> np.ndarray:
     """Contract sum of fp32 terms along ``axis`` (docs/determinism.md, "warp_sum").
 
@@ -31,18 +64,7 @@ def warp_sum(t: np.ndarray, axis: int = -1) -> np.ndarray:
     values are added pairwise, neighbours first (xor-butterfly with offsets
     1, 2, 4, 8, 16). Returns fp32 with ``axis`` removed.
     """
-    t = np.moveaxis(np.asarray(t, dtype=F32), axis, 0)
-    n = t.shape[0]
-    g = max(1, -(-n // WARP))
-    if n < WARP * g:
-        t = np.concatenate([t, np.zeros((WARP * g - n,) + t.shape[1:], F32)], axis=0)
-    t = t.reshape((WARP, g) + t.shape[1:])
-    acc = np.zeros((WARP,) + t.shape[2:], F32)
-    for j in range(g):
-        acc = acc + t[:, j]
-    while acc.shape[0] > 1:
-        acc = acc[0::2] + acc[1::2]
-    return acc[0]
+    return subtree_sum(t, lane_terms(np.shape(t)[axis]), WARP, axis)
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -71,13 +93,15 @@ def quantize_q8(x: np.ndarray):
     return q, d.astype(F32), q.astype(np.int32).sum(axis=-1, dtype=np.int32)
 
 
-def matmul_q(xq, w) -> np.ndarray:
+def matmul_q(xq, w, g: int | None = None, lanes: int = WARP) -> np.ndarray:
     """Quantized matrix product ``y[m, n] = sum_k x[m, k] * W[n, k]``.
 
     ``xq`` is :func:`quantize_q8`'s output for x ``[M, K]``; ``w`` a
     :class:`RefQuantWeight` for W ``[N, K]``. Per block ``b``:
     ``I = sum(code * q)`` (exact integer), ``r = (s*d) * I`` and, for asymmetric
     types, ``r = r + (o*d) * a``; then ``y = warp_sum(r over b)``.
+    With ``g`` and ``lanes`` (a tensor-parallel shard: the blocks of ``lanes``
+    lanes of ``g`` blocks each) it returns that shard's :func:`subtree_sum`.
     Returns fp32 ``[M, N]``.
     """
     q, d, a = xq
@@ -87,21 +111,24 @@ def matmul_q(xq, w) -> np.ndarray:
     r = (w.scale[:, None, :] * dT) * isum
     if w.offset is not None:
         r = r + (w.offset[:, None, :] * dT) * a.T[:, :, None].astype(F32)
-    return warp_sum(r, axis=0)
+    return subtree_sum(r, lane_terms(r.shape[0]) if g is None else g, lanes, axis=0)
 
 
-def matmul_f(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def matmul_f(x: np.ndarray, w: np.ndarray, g: int | None = None, lanes: int = WARP) -> np.ndarray:
     """Float-weight matrix product ``y[m, n] = warp_sum_k(x[m, k] * W[n, k])``.
 
     x fp32 ``[M, K]``, w fp32 ``[N, K]`` (exact values of F32/F16/BF16 weights).
-    Returns fp32 ``[M, N]``. Processed in row chunks to bound memory.
+    With ``g`` and ``lanes`` (a tensor-parallel shard of K) it returns that
+    shard's :func:`subtree_sum`. Returns fp32 ``[M, N]``. Processed in row
+    chunks to bound memory.
     """
     m, k = x.shape
     n = w.shape[0]
+    g = lane_terms(k) if g is None else g
     out = np.empty((m, n), F32)
     step = max(1, (1 << 24) // max(1, m * k))
     for i in range(0, n, step):
-        out[:, i:i + step] = warp_sum(x[:, None, :] * w[None, i:i + step, :], axis=-1)
+        out[:, i:i + step] = subtree_sum(x[:, None, :] * w[None, i:i + step, :], g, lanes, axis=-1)
     return out
 
 
@@ -218,3 +245,10 @@ class RefQuantWeight:
         self.codes = np.ascontiguousarray(codes.transpose(1, 2, 0)).astype(F32)
         self.scale = np.ascontiguousarray(scale.T)
         self.offset = None if offset is None else np.ascontiguousarray(offset.T)
+
+    def part(self, rows: slice = slice(None), blocks: slice = slice(None)) -> "RefQuantWeight":
+        """A view of some output rows and some K blocks (a tensor-parallel shard)."""
+        sub = object.__new__(RefQuantWeight)
+        sub.codes, sub.scale = self.codes[blocks, :, rows], self.scale[blocks, rows]
+        sub.offset = None if self.offset is None else self.offset[blocks, rows]
+        return sub

@@ -1,0 +1,141 @@
+"""Tensor parallelism: how T ranks shard a model, and the numpy engine sharded that way.
+
+Megatron-style sharding (Shoeybi et al. 2019, arXiv:1909.08053) under the
+determinism contract (docs/determinism.md section 12):
+
+- the K dimension of a row-parallel product (attention output, FFN down) is
+  split by **contract lanes**: rank ``r`` of ``T`` owns lanes
+  ``r*32/T .. (r+1)*32/T - 1`` of ``warp_sum``, i.e. the terms (elements for
+  float weights, 32-element blocks for quantized ones) ``r*(32/T)*g ..`` with
+  ``g`` terms per lane. Its partial is a whole subtree of the contract tree,
+  and the T partials, gathered, combine as the tree's top levels. No
+  all-reduce: its order would follow NCCL's choice of algorithm.
+- Q/K/V and gate/up are column-parallel: a rank computes the rows its
+  row-parallel shard needs (its query heads and their KV heads; its FFN
+  features), full K, so each row is the TP-1 row.
+- the LM head is split by vocabulary; RMSNorm, RoPE and the residual stream
+  are replicated.
+
+Shards can be uneven (SmolLM2's 9 heads over 4 ranks give 4, 4, 1, 0) but
+are never inside a head: :class:`ShardPlan` raises :class:`ModelError` when a
+shard boundary would cut one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference as ref
+from .backend_cpu import CpuBackend
+from .errors import ModelError
+from .gguf_model import FLOAT_TYPES, Model
+
+TP_DEGREES = (1, 2, 4, 8)
+ROW_PARALLEL = ("attn_output.weight", "ffn_down.weight")
+
+
+def k_shards(k: int, quantized: bool, tp: int) -> list[tuple[int, int]]:
+    """Element ranges ``[a, b)`` of K owned by each of ``tp`` ranks (contract lanes).
+
+    Terms are elements (float weights) or 32-element blocks (quantized);
+    ``g = max(1, ceil(terms / 32))`` terms per lane; rank ``r`` owns lanes
+    ``r*32/tp .. (r+1)*32/tp - 1``. Ranges can be empty.
+    """
+    unit = ref.QK if quantized else 1
+    terms = k // unit
+    g = ref.lane_terms(terms)
+    per = (ref.WARP // tp) * g
+    return [(min(terms, r * per) * unit, min(terms, (r + 1) * per) * unit) for r in range(tp)]
+
+
+class ShardPlan:
+    """Which rows and K ranges each of ``tp`` ranks owns for a model.
+
+    ``heads[r]`` (query heads ``[h0, h1)``), ``ffn[r]`` (FFN features ``[a, b)``),
+    ``vocab[r]`` (LM-head rows ``[a, b)``), per layer where types differ.
+    Raises :class:`ModelError` for a degree outside 1, 2, 4, 8 or a shard
+    boundary inside a head.
+    """
+
+    def __init__(self, model: Model, tp: int):
+        if tp not in TP_DEGREES:
+            raise ModelError(f"tensor-parallel degree must be one of {TP_DEGREES}, got {tp}")
+        hp = model.hparams
+        self.tp = tp
+        self.heads, self.ffn = {}, {}
+        for layer in range(hp.n_layer):
+            o = model.tensors[f"blk.{layer}.attn_output.weight"]
+            spans = k_shards(o.cols, o.qtype not in FLOAT_TYPES, tp)
+            if any(a % hp.head_dim or b % hp.head_dim for a, b in spans):
+                raise ModelError(f"TP {tp} would split a head of layer {layer}: K shards {spans}, "
+                                 f"head_dim {hp.head_dim}")
+            self.heads[layer] = [(a // hp.head_dim, b // hp.head_dim) for a, b in spans]
+            d = model.tensors[f"blk.{layer}.ffn_down.weight"]
+            self.ffn[layer] = k_shards(d.cols, d.qtype not in FLOAT_TYPES, tp)
+        per = -(-hp.n_vocab // tp)
+        self.vocab = [(min(hp.n_vocab, r * per), min(hp.n_vocab, (r + 1) * per)) for r in range(tp)]
+
+    def column_rows(self, layer: int, kind: str, hp) -> list[tuple[int, int]]:
+        """Rows ``[a, b)`` of the column-parallel matrix ``kind`` (q, k, v, gate, up) each rank computes."""
+        if kind == "q":
+            return [(h0 * hp.head_dim, h1 * hp.head_dim) for h0, h1 in self.heads[layer]]
+        if kind in ("k", "v"):
+            grp = hp.n_head // hp.n_head_kv
+            return [((h0 // grp) * hp.head_dim, (-(-h1 // grp)) * hp.head_dim) if h1 > h0 else (0, 0)
+                    for h0, h1 in self.heads[layer]]
+        return self.ffn[layer]
+
+
+def _rows(w, a: int, b: int):
+    """Rows ``[a, b)`` of a CPU-backend weight (fp32 array or RefQuantWeight)."""
+    return w[a:b] if isinstance(w, np.ndarray) else w.part(rows=slice(a, b))
+
+
+def _k_cols(w, a: int, b: int):
+    """K range ``[a, b)`` (elements) of a CPU-backend weight."""
+    return w[:, a:b] if isinstance(w, np.ndarray) else w.part(blocks=slice(a // ref.QK, b // ref.QK))
+
+
+class TpCpuBackend(CpuBackend):
+    """The numpy engine computed as ``tp`` ranks would compute it, one rank after another.
+
+    Every product is evaluated per rank on that rank's shard only; gathers are
+    concatenations and the row-parallel combine is
+    ``subtree_sum(partials, 1, tp)``. Attention is per (token, head), so the
+    heads of all ranks are evaluated in one call.
+    """
+
+    def __init__(self, model: Model, tp: int):
+        super().__init__(model)
+        self.plan = ShardPlan(model, tp)
+        self.tp = tp
+
+    def linears(self, x, names):
+        return [self._linear(x, name) for name in names]
+
+    def _linear(self, x, name):
+        w = self._weight(name)
+        quant = not isinstance(w, np.ndarray)
+        if name.endswith(ROW_PARALLEL):
+            parts = []
+            g = ref.lane_terms(x.shape[1] // (ref.QK if quant else 1))
+            for a, b in k_shards(x.shape[1], quant, self.tp):
+                xs, ws = x[:, a:b], _k_cols(w, a, b)
+                if a == b:                                                  # lanes with no terms hold +0
+                    parts.append(np.zeros((x.shape[0], self.model.tensors[name].rows), np.float32))
+                elif quant:
+                    parts.append(ref.matmul_q(ref.quantize_q8(xs), ws, g, ref.WARP // self.tp))
+                else:
+                    parts.append(ref.matmul_f(xs, ws, g, ref.WARP // self.tp))
+            return ref.subtree_sum(np.stack(parts), 1, self.tp, axis=0)      # all-gather, then the top levels
+        if name == self.model.output.name:
+            spans = self.plan.vocab
+        else:
+            layer, kind = int(name.split(".")[1]), name.split(".")[2]
+            spans = self.plan.column_rows(layer, kind.split("_")[-1], self.hp)
+        out = np.zeros((x.shape[0], self.model.tensors[name].rows), np.float32)
+        xq = ref.quantize_q8(x) if quant else None
+        for a, b in spans:                                                 # each rank: its rows, full K
+            if b > a:
+                out[:, a:b] = ref.matmul_q(xq, _rows(w, a, b)) if quant else ref.matmul_f(x, _rows(w, a, b))
+        return out

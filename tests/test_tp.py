@@ -1,0 +1,103 @@
+"""Tensor parallelism on the CPU: the numpy engine sharded as 2, 4 and 8 ranks
+(row-parallel partials gathered and combined as the contract tree's top levels)
+gives the bytes of TP 1, for the default model and synthetic shapes, whatever
+the batching."""
+
+import numpy as np
+import pytest
+
+from node import reference as ref
+from node.engine import Engine
+from node.errors import ModelError
+from node.gguf_model import default_model_path, load_model
+from node.synth import write_model
+from node.tp import ShardPlan, k_shards
+
+F32 = np.float32
+SHAPE = (512, 2, 8, 4, 1024, 300)     # n_embd, layers, heads, KV heads, FFN, vocab: 8 heads split over 8 ranks
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 576, 1000, 4096, 14336])
+def test_subtrees_of_tp_ranks_recombine_to_warp_sum(n):
+    rng = np.random.default_rng(n)
+    t = (rng.standard_normal((3, n)) * 10.0 ** rng.uniform(-3, 3, n)).astype(F32)
+    want = ref.warp_sum(t)
+    g = ref.lane_terms(n)
+    for tp in (1, 2, 4, 8):
+        per = (32 // tp) * g
+        parts = [ref.subtree_sum(t[:, r * per:(r + 1) * per], g, 32 // tp) for r in range(tp)]
+        assert ref.subtree_sum(np.stack(parts), 1, tp, axis=0).tobytes() == want.tobytes()
+
+
+def test_combining_partials_in_another_order_changes_bytes():
+    """The check above can fail: a left-to-right combine of 8 partials differs from the tree."""
+    rng = np.random.default_rng(1)
+    t = (rng.standard_normal((256, 4096)) * 10.0 ** rng.uniform(-3, 3, 4096)).astype(F32)
+    parts = [ref.subtree_sum(t[:, r * 512:(r + 1) * 512], 128, 4) for r in range(8)]
+    seq = parts[0]
+    for p in parts[1:]:
+        seq = seq + p
+    assert seq.tobytes() != ref.warp_sum(t).tobytes()
+
+
+def test_k_shards_cover_k_in_lane_order():
+    assert k_shards(576, True, 4) == [(0, 256), (256, 512), (512, 576), (576, 576)]   # SmolLM2: 18 blocks
+    assert k_shards(576, False, 2) == [(0, 288), (288, 576)]                          # 18 elements per lane
+    assert k_shards(14336, True, 8) == [(r * 1792, (r + 1) * 1792) for r in range(8)]
+    for k, quant, tp in [(1536, True, 8), (4096, False, 4), (96, False, 8)]:
+        spans = k_shards(k, quant, tp)
+        assert spans[0][0] == 0 and spans[-1][1] == k and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def run(engine, prompts, chunks):
+    """Prefill each prompt in the given chunk sizes (all sequences in every step), then 3 greedy steps."""
+    seqs = [engine.new_sequence() for _ in prompts]
+    logits = {s: [] for s in seqs}
+    done = [0] * len(prompts)
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        step = []
+        for i, (s, p) in enumerate(zip(seqs, prompts)):
+            if done[i] < len(p):
+                n = chunks[i % len(chunks)]
+                step.append((s, p[done[i]:done[i] + n]))
+                done[i] += n
+        for (s, _), lg in zip(step, engine.forward(step, all_logits=True)):
+            logits[s].append(lg)
+    for _ in range(3):
+        step = [(s, [int(np.argmax(logits[s][-1][-1]))]) for s in seqs]
+        for (s, _), lg in zip(step, engine.forward(step, all_logits=True)):
+            logits[s].append(lg)
+    out = [np.concatenate(logits[s]) for s in seqs]
+    for s in seqs:
+        engine.release(s)
+    return out
+
+
+def assert_tp_equal(model, prompts):
+    want = run(Engine(model, n_ctx=256), prompts, [64])                     # TP 1, whole prompts
+    for tp, chunks in ((2, [3, 1]), (4, [5]), (8, [1, 2, 7])):
+        got = run(Engine(model, n_ctx=256, tp=tp), prompts, chunks)
+        for w, g in zip(want, got):
+            assert w.tobytes() == g.tobytes(), f"TP {tp} differs from TP 1"
+
+
+@pytest.mark.parametrize("qtype", ["BF16", "F32", "Q8_0", "Q4_K", "Q4_1", "Q6_K"])
+def test_tp_synthetic_bytes_equal_tp1(tmp_path, qtype):
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, qtype, seed=5))
+    assert_tp_equal(model, [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 299, 5, 6]])
+
+
+@pytest.mark.default_model
+def test_tp_default_model_bytes_equal_tp1():
+    plan = ShardPlan(load_model(default_model_path()), 4)
+    assert plan.heads[0] == [(0, 4), (4, 8), (8, 9), (9, 9)]                 # 9 heads over 4 ranks
+    assert_tp_equal(load_model(default_model_path()), [[1, 504, 3250, 314, 2], [28, 1359]])
+
+
+def test_tp_refuses_a_degree_that_splits_a_head(tmp_path):
+    model = load_model(write_model(str(tmp_path / "m.gguf"), (256, 1, 4, 2, 512, 50), "BF16", seed=1))
+    Engine(model, tp=4)                                                     # 64 elements per rank = 1 head
+    with pytest.raises(ModelError, match="split a head"):
+        Engine(model, tp=8)
+    with pytest.raises(ModelError, match="degree"):
+        Engine(model, tp=3)
