@@ -34,18 +34,24 @@ def pub_path_for(path: str) -> str:
     return (path[:-4] if path.endswith(".pem") else path) + ".pub.pem"
 
 
+MAX_PASSPHRASE = 1023  # the longest passphrase the PKCS#8 encryption of `cryptography` accepts
+
+
 def read_passphrase(path: str | None) -> bytes | None:
-    """Passphrase bytes from a file (one trailing newline stripped), or None."""
+    """Passphrase bytes from a file (one trailing newline stripped, at most
+    1023 bytes), or None. Raises :class:`KeyError_`."""
     if path is None:
         return None
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_PASSPHRASE + 2)
     except OSError as e:
         raise KeyError_(f"cannot read passphrase file {path}: {e.strerror}") from None
     data = data[:-1] if data.endswith(b"\n") else data
     if not data:
         raise KeyError_(f"passphrase file {path} is empty")
+    if len(data) > MAX_PASSPHRASE:
+        raise KeyError_(f"passphrase file {path} holds more than {MAX_PASSPHRASE} bytes")
     return data
 
 

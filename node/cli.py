@@ -65,7 +65,7 @@ def open_engine(args):
     from .gguf_model import default_model_path, load_model
     from .tokenizer import Tokenizer
 
-    model = load_model(args.model or default_model_path())
+    model = load_model(default_model_path() if args.model is None else args.model)
     if args.ctx is not None and not 0 < args.ctx <= model.hparams.n_ctx_train:
         raise RequestError(f"--ctx must be between 1 and the model's context length "
                            f"{model.hparams.n_ctx_train}, got {args.ctx}")
@@ -77,6 +77,7 @@ def open_engine(args):
 
 def cmd_serve(args) -> int:
     import logging
+    import sqlite3
 
     from aiohttp import web
 
@@ -84,15 +85,21 @@ def cmd_serve(args) -> int:
 
     from .daemon import Node, make_app
 
+    if args.max_batch < 1 or args.max_queue < 0 or args.max_tokens_cap < 1 or args.max_body_bytes < 1:
+        raise RequestError("--max-batch, --max-tokens-cap and --max-body-bytes must be >= 1, --max-queue >= 0")
+    if not 0 <= args.port <= 65535:
+        raise RequestError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.data_dir:
+        raise RequestError("--data-dir must not be empty")
     key = keys.load_private(args.key, _passphrase(args), require_private_mode=True)
     model, tok, engine = open_engine(args)
-    if args.max_batch < 1 or args.max_queue < 0:
-        raise RequestError("--max-batch must be >= 1 and --max-queue >= 0")
     try:
         node = Node(engine, tok, key, args.data_dir, args.max_batch, args.max_queue,
                     max_tokens_cap=min(args.max_tokens_cap, engine.n_ctx), pin=args.pin)
     except OSError as e:
         raise BitexactError(f"cannot open the data folder {args.data_dir}: {e.strerror}") from None
+    except sqlite3.Error as e:
+        raise BitexactError(f"cannot open the attestation store in {args.data_dir}: {e}") from None
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     print(f"bitexact serve: {node.model_id} on {engine.device}, key id {node.key_id}, "
           f"http://{args.host}:{args.port}", flush=True)

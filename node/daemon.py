@@ -36,6 +36,11 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger("bitexact.daemon")
 MAX_SEED = 2 ** 64
+# OpenAI request fields this node does not implement, with their neutral value
+# (absent, null, false, 0, empty or this value is accepted; anything else is a 400).
+UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": None, "suffix": None, "best_of": 1,
+               "presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "tools": None,
+               "functions": None, "response_format": None}
 
 
 class ApiError(Exception):
@@ -107,6 +112,10 @@ class Node:
         _field(body, "model", str, what="a string")
         if _field(body, "n", int, 1, what="an integer") != 1:
             raise ApiError(400, "only n=1 is supported", param="n")
+        for name, neutral in UNSUPPORTED.items():
+            value = body.get(name)
+            if value and value != neutral:
+                raise ApiError(400, f"'{name}' is not supported by this node", param=name)
         max_tokens = _field(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
                             else "max_tokens", int, 16, lambda v: v > 0, "a positive integer")
         if max_tokens > self.max_tokens_cap:
@@ -167,7 +176,22 @@ def _headers(att: dict) -> dict:
 
 
 def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes)
+    @web.middleware
+    async def json_errors(request, handler):
+        """OpenAI-style JSON for errors aiohttp raises (404, 405, ...) and for bugs (500)."""
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return ApiError(e.status, e.reason, "invalid_request_error").response()
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:   # noqa: BLE001 - a bug must not leave a plain-text 500
+            log.exception("request failed")
+            return ApiError(500, "internal error", "server_error").response()
+
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app["node"] = node
 
     async def read_json(request):
@@ -177,8 +201,8 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
             raise ApiError(413, f"the request body is larger than {max_body_bytes} bytes") from None
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, too deep, too long an integer
+            raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
 
     async def complete(request: web.Request, chat: bool):
         t0 = time.monotonic()

@@ -40,6 +40,15 @@ class Result:
     digest: bytes
 
 
+def _utf8(text: str, what: str) -> str:
+    """``text`` if it encodes as UTF-8 (no lone surrogates), else :class:`RequestError`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"the {what} is not valid Unicode text (a lone surrogate?)") from None
+    return text
+
+
 def _validate_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestError("chat messages must be a non-empty list")
@@ -47,6 +56,8 @@ def _validate_messages(messages) -> None:
         if not (isinstance(m, dict) and set(m) == {"role", "content"}
                 and isinstance(m["role"], str) and isinstance(m["content"], str)):
             raise RequestError("each chat message must be {\"role\": str, \"content\": str}")
+        _utf8(m["role"], "chat role")
+        _utf8(m["content"], "chat message")
     if not any(m["content"].strip() for m in messages):
         raise RequestError("the chat messages are empty")
 
@@ -59,11 +70,13 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
     """
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("give exactly one of a prompt or chat messages")
-    if not isinstance(req.max_tokens, int) or req.max_tokens <= 0:
-        raise RequestError(f"max tokens must be a positive integer, got {req.max_tokens}")
+    if not isinstance(req.max_tokens, int) or not 0 < req.max_tokens < 2 ** 31:
+        raise RequestError(f"max tokens must be an integer in [1, 2**31), got {req.max_tokens}")
     req.params.validate()
     if any(not isinstance(s, str) or not s for s in req.stop):
         raise RequestError("stop strings must be non-empty")
+    for s in req.stop:
+        _utf8(s, "stop string")
     if req.messages is not None:
         _validate_messages(req.messages)
         text = tok.render_chat(req.messages)
@@ -72,6 +85,7 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
     else:
         if not req.prompt or not req.prompt.strip():
             raise RequestError("the prompt is empty")
+        _utf8(req.prompt, "prompt")
         text, ids, mode = req.prompt, tok.encode(req.prompt), "prompt"
     if len(ids) >= n_ctx:
         raise RequestError(f"the prompt is {len(ids)} tokens; the context holds {n_ctx} (one must stay free)")

@@ -145,24 +145,34 @@ def load_model(path: str) -> Model:
             raise ModelError(f"tensor {t.name}: {raw.shape[1]} bytes per row do not hold {cols} {qtype} values")
         tensors[t.name] = Tensor(t.name, qtype, rows, cols, raw)
 
-    n_layer = int(need("block_count"))
-    n_embd = int(need("embedding_length"))
-    n_head = int(need("attention.head_count"))
-    n_head_kv = int(_field(reader, "llama.attention.head_count_kv", n_head))
+    def num(key, kind, default=None, ok=lambda v: v > 0):
+        v = _field(reader, f"llama.{key}", default) if default is not None else need(key)
+        try:
+            v = kind(v)
+        except (TypeError, ValueError):
+            raise ModelError(f"GGUF metadata key llama.{key} is not a number: {v!r}") from None
+        if not (np.isfinite(v) and ok(v)):
+            raise ModelError(f"GGUF metadata key llama.{key} has an invalid value {v!r}")
+        return v
+
+    n_layer = num("block_count", int)
+    n_embd = num("embedding_length", int)
+    n_head = num("attention.head_count", int)
+    n_head_kv = num("attention.head_count_kv", int, n_head)
     if "token_embd.weight" not in tensors:
         raise ModelError("required tensor token_embd.weight is missing")
     n_vocab = tensors["token_embd.weight"].rows
-    head_dim = int(_field(reader, "llama.rope.dimension_count", n_embd // n_head))
+    head_dim = num("rope.dimension_count", int, n_embd // n_head)
     scaling = _field(reader, "llama.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise ModelError(f"unsupported RoPE scaling type {scaling!r} (supported: none, linear)")
-    factor = float(_field(reader, "llama.rope.scaling.factor", 1.0) or 1.0)
+    factor = num("rope.scaling.factor", float, 1.0)
     hp = HParams(
         n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
-        head_dim=head_dim, n_ff=int(need("feed_forward_length")),
-        n_ctx_train=int(_field(reader, "llama.context_length", 2048)),
-        rms_eps=float(np.float32(need("attention.layer_norm_rms_epsilon"))),
-        rope_base=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        head_dim=head_dim, n_ff=num("feed_forward_length", int),
+        n_ctx_train=num("context_length", int, 2048),
+        rms_eps=float(np.float32(num("attention.layer_norm_rms_epsilon", float, ok=lambda v: 0 < v < 1))),
+        rope_base=num("rope.freq_base", float, 10000.0),
         rope_freq_scale=1.0 / factor if scaling == "linear" else 1.0,
     )
     if n_head % n_head_kv or head_dim * n_head != n_embd or head_dim % 2:
@@ -178,6 +188,11 @@ def load_model(path: str) -> Model:
     for name in tensors:
         if name not in allowed:
             raise ModelError(f"unsupported tensor {name} (not part of the llama architecture)")
+    for name, t in tensors.items():
+        want = _expected_shape(name, hp)
+        if (t.rows, t.cols) != want:
+            raise ModelError(f"tensor {name} has shape {t.rows}x{t.cols}; the hyperparameters say "
+                             f"{want[0]}x{want[1]}")
     for i in range(n_layer):
         for n in _MATRICES:
             t = tensors[f"blk.{i}.{n}.weight"]
@@ -189,6 +204,17 @@ def load_model(path: str) -> Model:
                                                 "tokenizer.ggml.bos_token_id")}
     return Model(path=os.path.abspath(path), sha256=file_sha256(path), arch=arch, hparams=hp,
                  tensors=tensors, metadata=metadata, tied_output=tied)
+
+
+def _expected_shape(name: str, hp: HParams) -> tuple[int, int]:
+    """(rows, cols) that tensor ``name`` must have under ``hp`` (llama layout, GGUF spec)."""
+    q, kv = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+    kind = name.split(".")[-2]
+    return {"token_embd": (hp.n_vocab, hp.n_embd), "output": (hp.n_vocab, hp.n_embd),
+            "output_norm": (1, hp.n_embd), "attn_norm": (1, hp.n_embd), "ffn_norm": (1, hp.n_embd),
+            "attn_q": (q, hp.n_embd), "attn_k": (kv, hp.n_embd), "attn_v": (kv, hp.n_embd),
+            "attn_output": (hp.n_embd, q), "ffn_gate": (hp.n_ff, hp.n_embd), "ffn_up": (hp.n_ff, hp.n_embd),
+            "ffn_down": (hp.n_embd, hp.n_ff), "rope_freqs": (1, hp.head_dim // 2)}[kind]
 
 
 def default_model_path() -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import RequestError
+from .errors import NumericFault, RequestError
 from .fmath import exp32
 
 F32 = np.float32
@@ -45,6 +45,9 @@ def uniform(seed: int, pos: int) -> F32:
     return F32(2 * (w0 >> 9) + 1) * F32(2.0 ** -24)
 
 
+MIN_TEMPERATURE = 1e-6   # below this, logits / T can overflow fp32
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding parameters; ``temperature == 0`` means greedy."""
@@ -55,13 +58,16 @@ class SamplingParams:
     seed: int = 0
 
     def validate(self) -> None:
-        """Raise :class:`RequestError` for values outside their documented ranges."""
-        if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
-            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        """Raise :class:`RequestError` for values outside their documented ranges:
+        temperature 0 or in [MIN_TEMPERATURE, 100], top_p in (0, 1],
+        top_k in [0, 2**31), seed in [0, 2**64)."""
+        t = self.temperature
+        if not (t == 0.0 or MIN_TEMPERATURE <= t <= 100.0):
+            raise RequestError(f"temperature must be 0 or in [{MIN_TEMPERATURE}, 100], got {t}")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k < 2 ** 31:
+            raise RequestError(f"top_k must be in [0, 2**31), got {self.top_k}")
         if not 0 <= self.seed < 2 ** 64:
             raise RequestError(f"seed must be in [0, 2**64), got {self.seed}")
 
@@ -77,7 +83,10 @@ def sample(logits: np.ndarray, params: SamplingParams, pos: int) -> int:
     """
     if params.temperature == 0.0:
         return int(np.argmax(logits))
-    z = logits.astype(F32) / F32(params.temperature)
+    with np.errstate(over="ignore"):
+        z = logits.astype(F32) / F32(params.temperature)
+    if not np.isfinite(z).all():
+        raise NumericFault(f"logits / temperature {params.temperature} overflow fp32")
     order = np.lexsort((np.arange(z.size), -z))
     if params.top_k:
         order = order[: params.top_k]

@@ -9,6 +9,7 @@ output equals what it would get alone on an idle node.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from .engine import Engine
 from .errors import BitexactError
 from .generate import PREFILL_CHUNK, Generation, Result
 from .tokenizer import Tokenizer
+
+log = logging.getLogger("bitexact.scheduler")
 
 
 class QueueFull(BitexactError):
@@ -134,6 +137,18 @@ class Scheduler:
             self._step(batch)
 
     def _step(self, batch: list[Job]) -> None:
+        """One engine step for ``batch``. A :class:`BitexactError` fails the
+        requests it concerns; any other exception is a bug: it is logged with
+        its traceback and fails this step's requests, and the node keeps serving."""
+        try:
+            self._step_jobs(batch)
+        except Exception as e:   # noqa: BLE001 - the worker thread must survive
+            log.exception("engine step failed")
+            err = BitexactError(f"internal error in the engine step: {type(e).__name__}: {e}")
+            for job in batch:
+                self._drop(job, err)
+
+    def _step_jobs(self, batch: list[Job]) -> None:
         ready = []
         for job in batch:
             if job.gen is None:
@@ -170,8 +185,9 @@ class Scheduler:
 
     def _drop(self, job: Job, err: BitexactError) -> None:
         with self._cv:
-            if job in self._active:
-                self._active.remove(job)
+            if job not in self._active:
+                return            # already finished or dropped
+            self._active.remove(job)
             self._cv.notify_all()
         self._finish(job, "error", err)
 

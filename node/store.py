@@ -7,6 +7,8 @@ import os
 import sqlite3
 import threading
 
+COLUMNS = ("id", "created", "output_digest", "blob")
+
 
 class AttestationStore:
     """Signed attestation files keyed by their id (hex SHA-256 of the file bytes).
@@ -25,14 +27,25 @@ class AttestationStore:
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("CREATE TABLE IF NOT EXISTS attestations (id TEXT PRIMARY KEY, "
                              "created TEXT NOT NULL, output_digest TEXT NOT NULL, blob BLOB NOT NULL)")
+            cols = [r[1] for r in self._db.execute("PRAGMA table_info(attestations)")]
+        if cols != list(COLUMNS):
+            self._db.close()
+            raise sqlite3.DatabaseError(f"{self.path} holds a table 'attestations' with columns {cols}, "
+                                        f"not a bitexact store")
 
     def put(self, att_id: str, created: str, output_digest: str, blob: bytes) -> None:
-        """Insert and commit (durable on return). Re-inserting the same id is a no-op."""
+        """Insert and commit (durable on return). Re-inserting the same id is a no-op.
+        On any error the transaction is rolled back (the store stays usable) and
+        the ``sqlite3.Error`` propagates."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("INSERT OR IGNORE INTO attestations VALUES (?, ?, ?, ?)",
-                             (att_id, created, output_digest, blob))
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("INSERT OR IGNORE INTO attestations VALUES (?, ?, ?, ?)",
+                                 (att_id, created, output_digest, blob))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def get(self, att_id: str) -> bytes | None:
         with self._lock:

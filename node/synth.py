@@ -44,13 +44,16 @@ def _quant_rows(rng, qtype: str, rows: int, cols: int, scale: float) -> np.ndarr
 
 
 def write_model(path: str, shape: str | tuple = "tiny", qtype: str = "Q8_0", seed: int = 0,
-                n_ctx: int = 4096, tied: bool = False, norm_type: str = "F32", n_layer: int | None = None) -> str:
+                n_ctx: int = 4096, tied: bool = False, norm_type: str = "F32", n_layer: int | None = None,
+                metadata: dict | None = None) -> str:
     """Write a synthetic llama GGUF to ``path`` and return ``path``.
 
     ``shape`` is a key of :data:`SHAPES` or a tuple in its layout; ``qtype``
     (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) is used for every matrix
     (K-quant matrices whose K is not a multiple of 256 are written as Q8_0);
-    ``n_layer`` overrides the layer count (for truncated big shapes).
+    ``n_layer`` overrides the layer count (for truncated big shapes);
+    ``metadata`` replaces ``llama.*`` keys (int, float or str values; for
+    tests of malformed files).
     """
     import gguf
 
@@ -70,6 +73,10 @@ def write_model(path: str, shape: str | tuple = "tiny", qtype: str = "Q8_0", see
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
+    for key, val in (metadata or {}).items():
+        w.kv_data[0].pop(key, None)
+        add = w.add_string if isinstance(val, str) else w.add_float32 if isinstance(val, float) else w.add_uint32
+        add(key, val)
 
     def matrix(name, rows, cols, scale):
         # K-quants need K % 256 == 0; like llama.cpp's quantizer, fall back to Q8_0 otherwise.

@@ -80,5 +80,5 @@ class Tokenizer:
                 messages=messages, add_generation_prompt=True,
                 bos_token=piece([self.bos_id]).decode("utf-8", "replace"),
                 eos_token=piece([self.eos_id]).decode("utf-8", "replace"))
-        except jinja2.TemplateError as e:
-            raise RequestError(f"chat template failed: {e}") from None
+        except Exception as e:  # noqa: BLE001 - the template is the model file's code: any failure is bad input
+            raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from None

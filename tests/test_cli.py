@@ -89,10 +89,13 @@ def test_keygen_twice_keeps_the_first_key(tmp_path):
     (None, ["--out", "nodir/KEY.pem"]),
     ("pass_missing", ["--out", "KEY.pem", "--passphrase-file", "nope.txt"]),
     ("pass_empty", ["--out", "KEY.pem", "--passphrase-file", "empty.txt"]),
+    ("pass_long", ["--out", "KEY.pem", "--passphrase-file", "long.txt"]),
 ])
 def test_keygen_errors_write_nothing(tmp_path, setup, args):
     if setup == "pass_empty":
         write(tmp_path / "empty.txt", b"\n")
+    if setup == "pass_long":
+        write(tmp_path / "long.txt", b"x" * 1024)
     before = listing(tmp_path)
     assert_input_error(bx(tmp_path, "keygen", *args))
     assert listing(tmp_path) == before
@@ -204,6 +207,12 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--model", "EMPTY_FILE"], "GGUF"),
     (["--prompt", "hi", "--temperature", "warm"], "--temperature"),
     (["--prompt", "hi", "--max-tokens", "two"], "--max-tokens"),
+    (["--prompt", "hi", "--temperature", "1e-45"], "temperature"),
+    (["--prompt", "hi", "--top-k", str(2 ** 70)], "top_k"),
+    (["--prompt", "hi", "--max-tokens", str(2 ** 70)], "max tokens"),
+    (["--prompt", "abc\udcff"], "not valid Unicode"),          # invalid UTF-8 in argv
+    (["--prompt", "hi", "--stop", "\udcff"], "not valid Unicode"),
+    (["--prompt", "hi", "--model", ""], "GGUF"),
     ([], "--prompt"),
 ])
 def test_run_rejects_bad_requests(art, tmp_path, cwd, args, needle):
@@ -480,3 +489,21 @@ def test_usage_errors_are_one_line(tmp_path):
         p = bx(tmp_path, *args)
         assert_input_error(p)
     assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--port", "70000"], "--port"),
+    (["--port", "-1"], "--port"),
+    (["--max-body-bytes", "-1"], "--max-body-bytes"),
+    (["--max-tokens-cap", "0"], "--max-tokens-cap"),
+    (["--data-dir", "WRONG_STORE"], "attestation store"),
+])
+def test_serve_rejects_bad_options_and_foreign_stores(art, tmp_path, args, needle):
+    import sqlite3
+    db = sqlite3.connect(tmp_path / "attestations.sqlite3")
+    db.execute("CREATE TABLE attestations (x)")
+    db.close()
+    args = [str(tmp_path) if a == "WRONG_STORE" else a for a in args]
+    p = bx(tmp_path, "serve", "--key", art.key, "--device", "cpu", *args, timeout=120)
+    assert needle in assert_input_error(p)
+

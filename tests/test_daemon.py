@@ -225,11 +225,29 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (json.dumps({"prompt": "hi", "max_tokens": 10 ** 9}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
     (json.dumps(["a"]).encode(), 400, None),
+    (json.dumps({"prompt": "hi", "temperature": 1e-45}).encode(), 400, None),       # logits / T would overflow
+    (json.dumps({"prompt": "hi", "top_k": 2 ** 64}).encode(), 400, None),
+    (b'{"prompt": "\\ud800", "max_tokens": 1}', 400, None),                          # lone surrogate
+    (json.dumps({"prompt": "hi", "stop": "\ud800"}).encode(), 400, None),
+    (b"[" * 100000 + b"]" * 100000, 400, None),                                      # too deep for the parser
+    (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),           # integer too long to parse
+    (json.dumps({"prompt": "hi", "logprobs": 5}).encode(), 400, "logprobs"),
+    (json.dumps({"prompt": "hi", "echo": True}).encode(), 400, "echo"),
+    (json.dumps({"prompt": "hi", "best_of": 3}).encode(), 400, "best_of"),
 ])
 def test_bad_completion_requests(daemon, body, status, param):
     code, err = daemon.post_raw("/v1/completions", body)
     assert code == status and set(err) == {"error"} and err["error"]["message"]
     assert err["error"]["param"] == param
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405),
+                                                ("POST", "/health", 405)])
+def test_unknown_routes_get_openai_style_json(daemon, method, path, status):
+    req = urllib.request.Request(daemon.url + path, method=method, data=b"{}" if method == "POST" else None)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == status and json.loads(e.value.read())["error"]["message"]
 
 
 def test_bad_chat_requests_and_node_keeps_serving(daemon, solo):

@@ -184,8 +184,17 @@ def test_sampling_distribution_matches_softmax():
 
 @pytest.mark.parametrize("bad", [SamplingParams(temperature=-0.1), SamplingParams(top_p=0.0),
                                  SamplingParams(top_p=1.5), SamplingParams(top_k=-1),
-                                 SamplingParams(temperature=float("nan")), SamplingParams(seed=-1)])
+                                 SamplingParams(temperature=float("nan")), SamplingParams(seed=-1),
+                                 SamplingParams(temperature=1e-45), SamplingParams(temperature=101.0),
+                                 SamplingParams(top_k=2 ** 31)])
 def test_sampling_params_rejected(bad):
     from node.errors import RequestError
     with pytest.raises(RequestError):
         bad.validate()
+
+
+def test_logits_over_temperature_overflow_is_a_fault():
+    from node.errors import NumericFault
+    with pytest.raises(NumericFault, match="overflow"):
+        sample(np.array([3e38, 1.0, -2.0], np.float32), SamplingParams(temperature=1e-6, seed=1), 0)
+

@@ -1,0 +1,44 @@
+"""The attestation store survives a failed write and refuses foreign databases;
+malformed GGUF metadata and tensor shapes are refused with a ModelError."""
+
+import sqlite3
+
+import pytest
+
+from node.errors import ModelError
+from node.gguf_model import load_model
+from node.store import AttestationStore
+from node.synth import write_model
+
+
+def test_store_rolls_back_a_failed_put_and_keeps_working(tmp_path):
+    store = AttestationStore(str(tmp_path))
+    with pytest.raises(sqlite3.Error):
+        store.put("a", "t", "d", object())            # not bindable: fails inside the transaction
+    store.put("b", "t", "d", b"blob")
+    assert store.get("b") == b"blob" and store.get("a") is None and store.count() == 1
+    store.close()
+
+
+def test_store_refuses_a_table_of_another_shape(tmp_path):
+    db = sqlite3.connect(tmp_path / "attestations.sqlite3")
+    db.execute("CREATE TABLE attestations (x)")
+    db.close()
+    with pytest.raises(sqlite3.DatabaseError, match="not a bitexact store"):
+        AttestationStore(str(tmp_path))
+
+
+@pytest.mark.parametrize("metadata,needle", [
+    ({"llama.attention.head_count": 0}, "head_count has an invalid value"),
+    ({"llama.attention.head_count_kv": 0}, "head_count_kv has an invalid value"),
+    ({"llama.attention.layer_norm_rms_epsilon": "small"}, "not a number"),
+    ({"llama.attention.layer_norm_rms_epsilon": -1.0}, "invalid value"),
+    ({"llama.rope.freq_base": 0.0}, "freq_base has an invalid value"),
+    ({"llama.block_count": 0}, "block_count has an invalid value"),
+    ({"llama.feed_forward_length": 100}, "hyperparameters say 100x64"),
+    ({"llama.embedding_length": 96}, "head layout"),
+])
+def test_malformed_metadata_is_a_model_error(tmp_path, metadata, needle):
+    path = write_model(str(tmp_path / "bad.gguf"), "tiny", "Q8_0", metadata=metadata)
+    with pytest.raises(ModelError, match=needle):
+        load_model(path)
