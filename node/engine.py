@@ -35,7 +35,9 @@ class Engine:
     def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None, tp: int = 1, **cuda_opts):
         self.model = model
         self.hp = hp = model.hparams
-        self.n_ctx = int(n_ctx or min(hp.n_ctx_train, 8192))
+        if n_ctx is not None and not (isinstance(n_ctx, int) and 1 <= n_ctx <= 1 << 20):
+            raise RequestError(f"the context length must be an integer in [1, 2**20], got {n_ctx!r}")
+        self.n_ctx = n_ctx or min(hp.n_ctx_train, 8192)
         if device == "cpu" and tp != 1:
             from .tp import TpCpuBackend
             self.backend = TpCpuBackend(model, tp)
@@ -43,7 +45,7 @@ class Engine:
             from .backend_cpu import CpuBackend
             self.backend = CpuBackend(model)
         elif device == "cuda" and tp != 1:
-            raise RequestError("tensor parallelism runs on the CPU emulation only in this version (tp=1 on cuda)")
+            raise RequestError(f"the CUDA engine runs one GPU in this version: tp must be 1, got {tp!r}")
         elif device == "cuda":
             from .backend_cuda import CudaBackend
             self.backend = CudaBackend(model, n_ctx=self.n_ctx, **cuda_opts)
