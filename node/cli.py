@@ -101,11 +101,11 @@ def cmd_serve(args) -> int:
     except sqlite3.Error as e:
         raise BitexactError(f"cannot open the attestation store in {args.data_dir}: {e}") from None
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    print(f"bitexact serve: {node.model_id} on {engine.device}, key id {node.key_id}, "
-          f"http://{args.host}:{args.port}", flush=True)
-    try:
+    banner = (f"bitexact serve: {node.model_id} on {engine.device}, key id {node.key_id}, "
+              f"http://{args.host}:{args.port}")
+    try:   # the banner is printed once the socket is bound
         web.run_app(make_app(node, args.max_body_bytes), host=args.host, port=args.port, shutdown_timeout=30,
-                    print=None, access_log=None)
+                    print=lambda _: print(banner, flush=True), access_log=None)
     except OSError as e:
         raise BitexactError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     return EXIT_OK
@@ -176,7 +176,10 @@ def cmd_inspect(args) -> int:
 
     p = plain(read_attestation(args.file))
     if args.json:
-        print(json.dumps(p, indent=2, ensure_ascii=False))
+        try:
+            print(json.dumps(p, indent=2, ensure_ascii=False, allow_nan=False))
+        except ValueError:
+            raise BitexactError(f"{args.file} holds a non-finite number, which JSON cannot carry") from None
         return EXIT_OK
     print("signature: valid (Ed25519, key id %s)" % p["signer"]["key_id"])
 

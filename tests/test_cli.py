@@ -507,3 +507,14 @@ def test_serve_rejects_bad_options_and_foreign_stores(art, tmp_path, args, needl
     p = bx(tmp_path, "serve", "--key", art.key, "--device", "cpu", *args, timeout=120)
     assert needle in assert_input_error(p)
 
+
+
+def test_serve_on_a_busy_port_fails_cleanly_without_a_banner(art, tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        p = bx(tmp_path, "serve", "--key", art.key, "--device", "cpu", "--port", s.getsockname()[1],
+               "--data-dir", tmp_path / "data", timeout=120)
+    assert "cannot listen" in assert_input_error(p)
+    assert "bitexact serve:" not in p.stdout

@@ -68,8 +68,9 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
         if w != g:
             et = out["tokens"][i] if i < len(out["tokens"]) else None
             gt = res.tokens[i] if i < len(res.tokens) else None
-            return Report(False, payload, f"FAIL: first divergent step {i}: expected token {et}, got token {gt}",
-                          i, et, gt)
+            what = (f"expected token {et}, got token {gt}" if et != gt else
+                    f"token {et} in both, but the step digest (logits, or the request it chains from) differs")
+            return Report(False, payload, f"FAIL: first divergent step {i}: {what}", i, et, gt)
     if (res.digest != out["digest"] or res.text != out["text"] or res.finish_reason != out["finish_reason"]
             or res.tokens != out["tokens"]):
         return Report(False, payload, "FAIL: every step matched but the output digest, text or finish reason differs")
