@@ -195,6 +195,8 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
     app["node"] = node
 
     async def read_json(request):
+        if request.content_length is not None and request.content_length > max_body_bytes:
+            raise ApiError(413, f"the request body is larger than {max_body_bytes} bytes")   # before reading it
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:

@@ -241,6 +241,14 @@ def test_bad_completion_requests(daemon, body, status, param):
     assert err["error"]["param"] == param
 
 
+def test_declared_oversize_body_is_refused_before_it_arrives(daemon):
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000000\r\n\r\n{}")
+        head = s.recv(4096).split(b"\r\n", 1)[0]
+    assert head.startswith(b"HTTP/1.1 413"), head
+
+
 @pytest.mark.parametrize("method,path,status", [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405),
                                                 ("POST", "/health", 405)])
 def test_unknown_routes_get_openai_style_json(daemon, method, path, status):
