@@ -120,6 +120,8 @@ def cmd_run(args) -> int:
     from .provenance import build_payload
     from .sampler import SamplingParams
 
+    if args.attestation == "":
+        raise RequestError("--attestation must not be empty")
     key = keys.load_private(args.key, _passphrase(args))
     if args.chat is not None:
         try:
@@ -139,7 +141,7 @@ def cmd_run(args) -> int:
     res = generate(engine, tok, record)
     payload = build_payload(res, engine, keys.public_raw(key))
     blob = seal(payload, key)
-    path = args.attestation or f"{res.digest.hex()}.bxa"
+    path = f"{res.digest.hex()}.bxa" if args.attestation is None else args.attestation
     try:
         atomic_write(path, blob)
     except OSError as e:

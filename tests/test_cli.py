@@ -213,6 +213,7 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "abc\udcff"], "not valid Unicode"),          # invalid UTF-8 in argv
     (["--prompt", "hi", "--stop", "\udcff"], "not valid Unicode"),
     (["--prompt", "hi", "--model", ""], "not found"),
+    (["--prompt", "hi", "--attestation", ""], "--attestation"),
     ([], "--prompt"),
 ])
 def test_run_rejects_bad_requests(art, tmp_path, cwd, args, needle):
