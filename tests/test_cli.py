@@ -519,3 +519,10 @@ def test_serve_on_a_busy_port_fails_cleanly_without_a_banner(art, tmp_path):
                "--data-dir", tmp_path / "data", timeout=120)
     assert "cannot listen" in assert_input_error(p)
     assert "bitexact serve:" not in p.stdout
+
+
+def test_inspect_json_and_verify_refuse_a_signed_nan(art, tmp_path):
+    write(tmp_path / "nan.bxa", sign_raw(_payload_with(art, ("request", "temperature"), float("nan")),
+                                         art.private_key()))
+    assert "non-finite" in assert_input_error(bx(tmp_path, "inspect", "nan.bxa", "--json"))
+    assert "temperature" in assert_input_error(bx(tmp_path, "verify", "nan.bxa"))

@@ -128,3 +128,11 @@ def test_every_quant_type_batch_invariant(tmp_path, qtype):
         out = eng.forward([(other, [a % 300, 1]), (target, toks[a:a + 7])], all_logits=True)
         got.append(out[1])
     assert np.concatenate(got).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("n_ctx", [0, -5, 2.5, 1 << 21, "8"])
+def test_engine_rejects_a_bad_context_length(n_ctx):
+    from node.errors import RequestError
+    from node.gguf_model import default_model_path, load_model
+    with pytest.raises(RequestError, match="context length"):
+        Engine(load_model(default_model_path()), n_ctx=n_ctx)
