@@ -23,72 +23,83 @@ extern "C" __global__ void kv_store(const float* __restrict__ k, const float* __
     vp[dst] = v[i];
 }
 
-// One block of 256 threads per (token t, head h, split c). Thread j is slot j.
+// One block of 256 threads (8 warps) per (token t, head h, split c); slots
+// past the query's position are skipped (they add +0 in the contract).
+// Scores: a warp per slot, lane l adds q*k over d = l*g .. l*g+g-1 in order,
+// then the butterfly (warp_sum over hd), times scale. Softmax terms
+// e_j = exp32(s_j - m_c). Output: lane l of the contract owns slots
+// 8l .. 8l+7 (warp_sum over 256 slots, g = 8); thread (d, half) computes those
+// lane partials for lanes half, half+2, ... (the 8 loads of a lane in flight
+// at once), then one thread per d adds the 32 partials in the tree.
 // Writes the split's max m_c, sum l_c and unnormalised output o_c[hd].
 // pages: int [T, max_splits] page id of each split of the token's sequence.
-extern "C" __global__ void attention_split(const float* __restrict__ q, const float* __restrict__ kp,
-                                           const float* __restrict__ vp, const int* __restrict__ pages,
-                                           const int* __restrict__ qpos, float* __restrict__ part_m,
-                                           float* __restrict__ part_l, float* __restrict__ part_o,
-                                           int T, int H, int Hkv, int hd, int max_splits, float scale) {
+// Dynamic shared memory: (hd + 256 + 32 hd) floats.
+extern "C" __global__ void __launch_bounds__(SPLIT_KV) attention_split(
+    const float* __restrict__ q, const float* __restrict__ kp, const float* __restrict__ vp,
+    const int* __restrict__ pages, const int* __restrict__ qpos, float* __restrict__ part_m,
+    float* __restrict__ part_l, float* __restrict__ part_o, int T, int H, int Hkv, int hd, int max_splits,
+    float scale) {
     extern __shared__ float smem[];
     float* qs = smem;                     // [hd]
-    float* e = qs + hd;                   // [256]
+    float* e = qs + hd;                   // [256] scores, then softmax terms
     float* part = e + SPLIT_KV;           // [32][hd]
-    __shared__ float m_c;
+    __shared__ float wmax[SPLIT_KV / 32];
     int t = blockIdx.x, h = blockIdx.y, c = blockIdx.z, j = threadIdx.x;
+    int lane = j & 31, warp = j >> 5;
     int p = qpos[t];
     if (SPLIT_KV * c > p) return;  // this split does not exist for this query (uniform)
+    int n_valid = min(SPLIT_KV, p - SPLIT_KV * c + 1);  // slots 0 .. n_valid-1 are keys at or before p
     int kvh = h / (H / Hkv);
     for (int d = j; d < hd; d += blockDim.x) qs[d] = q[((size_t)t * H + h) * hd + d];
     __syncthreads();
     size_t page = (size_t)pages[(size_t)t * max_splits + c];
     const float* kbase = kp + (page * Hkv + kvh) * SPLIT_KV * hd;
     const float* vbase = vp + (page * Hkv + kvh) * SPLIT_KV * hd;
-    bool valid = SPLIT_KV * c + j <= p;
-    float s = -__int_as_float(0x7f800000);
-    if (valid) {  // s = warp_sum over hd of q*k, computed by this thread, then * scale
-        const float* kr = kbase + (size_t)j * hd;
-        int g = (hd + 31) >> 5;
-        float lanes[32];
-#pragma unroll
-        for (int l = 0; l < 32; ++l) {
-            float acc = 0.0f;
-            for (int i = 0; i < g; ++i) {
-                int d = l * g + i;
-                if (d < hd) acc = __fadd_rn(acc, __fmul_rn(qs[d], kr[d]));
-            }
-            lanes[l] = acc;
-        }
-        s = __fmul_rn(bx_tree32(lanes), scale);
+    int g = (hd + 31) >> 5;
+    int d0 = lane * g, dn = min(g, hd - d0);  // this lane's d range of the score sum
+#pragma unroll 4
+    for (int slot = warp; slot < n_valid; slot += SPLIT_KV / 32) {
+        const float* kr = kbase + (size_t)slot * hd + d0;
+        float acc = 0.0f;
+        for (int i = 0; i < dn; ++i) acc = __fadd_rn(acc, __fmul_rn(qs[d0 + i], kr[i]));
+        float s = __fmul_rn(bx_butterfly(acc), scale);
+        if (lane == 0) e[slot] = s;
     }
+    __syncthreads();
+    float s = j < n_valid ? e[j] : -__int_as_float(0x7f800000);
     float mx = s;  // max is exact in any order: warp shuffles, then the 8 warp maxima
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(BX_FULL, mx, off));
-    if ((j & 31) == 0) e[j >> 5] = mx;
+    if (lane == 0) wmax[warp] = mx;
     __syncthreads();
-    if (j == 0) {
-        for (int i = 1; i < SPLIT_KV / 32; ++i) mx = fmaxf(mx, e[i]);
-        m_c = mx;
-    }
+#pragma unroll
+    for (int i = 0; i < SPLIT_KV / 32; ++i) mx = fmaxf(mx, wmax[i]);
+    float m_c = mx;
+    float ej = j < n_valid ? bx_exp32(__fsub_rn(s, m_c)) : 0.0f;
+    e[j] = ej;  // each thread rewrites only its own slot
     __syncthreads();
-    float ej = valid ? bx_exp32(__fsub_rn(s, m_c)) : 0.0f;
-    __syncthreads();
-    e[j] = ej;
-    __syncthreads();
-    // Lane partials: lane l owns slots 8l .. 8l+7 (warp_sum over 256 slots, g = 8).
-    size_t out = ((size_t)t * H + h) * max_splits + c;
-    for (int idx = j; idx < 32 * hd; idx += blockDim.x) {
-        int l = idx / hd, d = idx % hd;
-        float acc = 0.0f;
-        for (int i = 0; i < 8; ++i) {
-            int slot = 8 * l + i;
-            float term = (SPLIT_KV * c + slot <= p) ? __fmul_rn(e[slot], vbase[(size_t)slot * hd + d]) : 0.0f;
-            acc = __fadd_rn(acc, term);
+    int n_lanes = (n_valid + 7) >> 3;  // contract lanes holding at least one valid slot
+    int halves = max(1, (int)blockDim.x / hd);  // threads per d
+    for (int idx = j; idx < halves * hd; idx += blockDim.x) {
+        int d = idx % hd, half = idx / hd;
+        for (int l = half; l < 32; l += halves) {
+            float acc = 0.0f;
+            if (l < n_lanes) {
+                float vv[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    int slot = 8 * l + i;
+                    vv[i] = slot < n_valid ? vbase[(size_t)slot * hd + d] : 0.0f;
+                }
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    if (8 * l + i < n_valid) acc = __fadd_rn(acc, __fmul_rn(e[8 * l + i], vv[i]));
+            }
+            part[l * hd + d] = acc;
         }
-        part[l * hd + d] = acc;
     }
     __syncthreads();
+    size_t out = ((size_t)t * H + h) * max_splits + c;
     for (int d = j; d < hd; d += blockDim.x) {
         float lanes[32];
 #pragma unroll

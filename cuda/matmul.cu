@@ -168,9 +168,15 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 // elements, so at step j the warp reads its 32 lanes' chunks as one contiguous
 // span (coalesced), yet lane l still adds the products of k = l*g .. l*g+g-1
 // one by one in ascending k, then the butterfly: the contract's warp_sum.
-// One warp per output row, MQ_TM tokens per warp; up to three matrices with
-// the same K and type (Q/K/V, gate/up) in one launch, rows concatenated.
-#define MF_WARPS 8
+// One warp per MF_ROWS output rows (each x chunk loaded once for all of them),
+// MQ_TM tokens per warp; up to three matrices with the same K and type
+// (Q/K/V, gate/up) in one launch, each starting at a warp of its own.
+// Tile constants, chosen by timing variants on one NVIDIA H200 over the 8B
+// shapes at batch 1, 8 and 32 (docs/benchmarks.md); none changes any sum.
+#define MF_WARPS 8   // warps per block (node/backend_cuda.py MF_WARPS)
+#define MF_ROWS 2    // output rows per warp (node/backend_cuda.py MF_ROWS)
+#define MF_BYTES 32  // weight bytes in flight per lane and row
+#define MF_MINB 3    // __launch_bounds__ minimum blocks per SM (<= 80 registers)
 
 template <int WT, int V>
 __device__ __forceinline__ void bx_decode_chunk(const unsigned int* u, float* w) {
@@ -195,7 +201,7 @@ template <int WT, int V>
 struct BxChunk {
     static constexpr int CB = V * (WT == BX_F32 ? 4 : 2);
     static constexpr int NW = CB >= 4 ? CB / 4 : 1;
-    static constexpr int U = CB >= 8 ? 64 / CB : 8;  // chunks in flight per lane
+    static constexpr int U = CB >= 8 && MF_BYTES >= CB ? MF_BYTES / CB : (CB >= 8 ? 1 : 8);  // chunks in flight
     unsigned int u[NW];
     __device__ __forceinline__ void load(const unsigned char* __restrict__ row, int idx) {
         const unsigned char* p = row + (size_t)idx * CB;
@@ -229,72 +235,87 @@ __device__ __forceinline__ void bx_load_x(const float* __restrict__ p, float* xv
     }
 }
 
+// Rows n0 .. n0+MF_ROWS-1 of W (rows past N read row N-1 and are not written).
 template <int WT, int V>
-__device__ __forceinline__ void bx_matmul_f_row(const unsigned char* __restrict__ row, const float* __restrict__ xl,
-                                                float* __restrict__ y, int n, int N, int M, int m0, int K, int lane) {
+__device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict__ W, const float* __restrict__ xl,
+                                                 float* __restrict__ y, int n0, int N, int M, int m0, int K,
+                                                 int lane) {
     using C = BxChunk<WT, V>;
-    int nj = (K >> 5) / V;
-    float acc[MQ_TM];
+    const unsigned char* rows[MF_ROWS];
 #pragma unroll
-    for (int t = 0; t < MQ_TM; ++t) acc[t] = 0.0f;
+    for (int r = 0; r < MF_ROWS; ++r) rows[r] = W + (size_t)min(n0 + r, N - 1) * K * (WT == BX_F32 ? 4 : 2);
+    int nj = (K >> 5) / V;
+    float acc[MF_ROWS][MQ_TM];
+#pragma unroll
+    for (int r = 0; r < MF_ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < MQ_TM; ++t) acc[r][t] = 0.0f;
     for (int j0 = 0; j0 < nj; j0 += C::U) {
-        C w[C::U];
+        C w[MF_ROWS][C::U];
 #pragma unroll
         for (int u = 0; u < C::U; ++u)
-            if (j0 + u < nj) w[u].load(row, (j0 + u) * 32 + lane);
+#pragma unroll
+            for (int r = 0; r < MF_ROWS; ++r)
+                if (j0 + u < nj) w[r][u].load(rows[r], (j0 + u) * 32 + lane);
 #pragma unroll
         for (int u = 0; u < C::U; ++u) {
             if (j0 + u >= nj) break;
             asm volatile("" ::: "memory");  // keep x loads per chunk: bounds registers
-            float wf[V];
-            bx_decode_chunk<WT, V>(w[u].u, wf);
+            float wf[MF_ROWS][V];
+#pragma unroll
+            for (int r = 0; r < MF_ROWS; ++r) bx_decode_chunk<WT, V>(w[r][u].u, wf[r]);
 #pragma unroll
             for (int t = 0; t < MQ_TM; ++t) {
                 if (m0 + t >= M) break;
                 float xv[V];
                 bx_load_x<V>(xl + (size_t)(m0 + t) * K + (size_t)((j0 + u) * 32 + lane) * V, xv);
 #pragma unroll
-                for (int e = 0; e < V; ++e) acc[t] = __fadd_rn(acc[t], __fmul_rn(xv[e], wf[e]));
+                for (int r = 0; r < MF_ROWS; ++r)
+#pragma unroll
+                    for (int e = 0; e < V; ++e) acc[r][t] = __fadd_rn(acc[r][t], __fmul_rn(xv[e], wf[r][e]));
             }
         }
     }
 #pragma unroll
-    for (int t = 0; t < MQ_TM; ++t) {
-        float v = bx_butterfly(acc[t]);
-        if (lane == 0 && m0 + t < M) y[(size_t)(m0 + t) * N + n] = v;
-    }
+    for (int r = 0; r < MF_ROWS; ++r)
+#pragma unroll
+        for (int t = 0; t < MQ_TM; ++t) {
+            float v = bx_butterfly(acc[r][t]);
+            if (lane == 0 && m0 + t < M && n0 + r < N) y[(size_t)(m0 + t) * N + n0 + r] = v;
+        }
 }
 
 template <int WT>
-__device__ __forceinline__ void bx_matmul_f_v(int V, const unsigned char* row, const float* xl, float* y, int n,
+__device__ __forceinline__ void bx_matmul_f_v(int V, const unsigned char* W, const float* xl, float* y, int n0,
                                               int N, int M, int m0, int K, int lane) {
-    if (V == 8) bx_matmul_f_row<WT, (WT == BX_F32 ? 4 : 8)>(row, xl, y, n, N, M, m0, K, lane);
-    else if (V == 4) bx_matmul_f_row<WT, 4>(row, xl, y, n, N, M, m0, K, lane);
-    else if (V == 2) bx_matmul_f_row<WT, 2>(row, xl, y, n, N, M, m0, K, lane);
-    else bx_matmul_f_row<WT, 1>(row, xl, y, n, N, M, m0, K, lane);
+    if (V == 8) bx_matmul_f_rows<WT, (WT == BX_F32 ? 4 : 8)>(W, xl, y, n0, N, M, m0, K, lane);
+    else if (V == 4) bx_matmul_f_rows<WT, 4>(W, xl, y, n0, N, M, m0, K, lane);
+    else if (V == 2) bx_matmul_f_rows<WT, 2>(W, xl, y, n0, N, M, m0, K, lane);
+    else bx_matmul_f_rows<WT, 1>(W, xl, y, n0, N, M, m0, K, lane);
 }
 
-extern "C" __global__ void matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
-                                    const unsigned char* __restrict__ W2, float* __restrict__ y0,
-                                    float* __restrict__ y1, float* __restrict__ y2, int N0, int N1, int N2,
-                                    int wtype, int V, const float* __restrict__ xl, int M, int K) {
+extern "C" __global__ void __launch_bounds__(32 * MF_WARPS, MF_MINB)
+matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
+         const unsigned char* __restrict__ W2, float* __restrict__ y0, float* __restrict__ y1,
+         float* __restrict__ y2, int N0, int N1, int N2, int wtype, int V, const float* __restrict__ xl, int M,
+         int K) {
     int lane = threadIdx.x & 31;
-    int r = blockIdx.y * MF_WARPS + (threadIdx.x >> 5);
+    int w = blockIdx.y * MF_WARPS + (threadIdx.x >> 5);  // warp index over the matrices' warps
+    int w0 = (N0 + MF_ROWS - 1) / MF_ROWS, w1 = (N1 + MF_ROWS - 1) / MF_ROWS, w2 = (N2 + MF_ROWS - 1) / MF_ROWS;
     const unsigned char* W = W0;
     float* y = y0;
     int N = N0;
-    if (r >= N0) {
-        r -= N0;
+    if (w >= w0) {
+        w -= w0;
         W = W1; y = y1; N = N1;
-        if (r >= N1) {
-            r -= N1;
+        if (w >= w1) {
+            w -= w1;
             W = W2; y = y2; N = N2;
-            if (r >= N2) return;  // uniform per warp
+            if (w >= w2) return;  // uniform per warp
         }
     }
     int m0 = blockIdx.x * MQ_TM;
-    const unsigned char* row = W + (size_t)r * K * (wtype == BX_F32 ? 4 : 2);
-    if (wtype == BX_F32) bx_matmul_f_v<BX_F32>(V, row, xl, y, r, N, M, m0, K, lane);
-    else if (wtype == BX_F16) bx_matmul_f_v<BX_F16>(V, row, xl, y, r, N, M, m0, K, lane);
-    else bx_matmul_f_v<BX_BF16>(V, row, xl, y, r, N, M, m0, K, lane);
+    if (wtype == BX_F32) bx_matmul_f_v<BX_F32>(V, W, xl, y, w * MF_ROWS, N, M, m0, K, lane);
+    else if (wtype == BX_F16) bx_matmul_f_v<BX_F16>(V, W, xl, y, w * MF_ROWS, N, M, m0, K, lane);
+    else bx_matmul_f_v<BX_BF16>(V, W, xl, y, w * MF_ROWS, N, M, m0, K, lane);
 }

@@ -30,8 +30,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.cu", "residual.cu",
                 "embed.cu", "sampler.cu")
 MQ_TM = 8  # tokens per warp in matmul_q / matmul_f (cuda/matmul.cu)
-MQ_WARPS, MF_WARPS = 4, 8  # output rows per block of matmul_q / matmul_f
+MQ_WARPS, MF_WARPS = 4, 8  # warps per block of matmul_q / matmul_f
+MF_ROWS = 2  # output rows per warp of matmul_f (matmul_q: 1)
 ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
+MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes replayed through CUDA graphs
 
 
@@ -136,6 +138,8 @@ class CudaBackend:
                 ("rope.cu", ("rope",)), ("attention.cu", ("kv_store", "attention_split", "attention_combine")),
                 ("activation.cu", ("silu_gate",)), ("residual.cu", ("residual_add",)), ("embed.cu", ("embed",)),
                 ("sampler.cu", ("argmax",))) for n in names}
+            for n in ("rms_norm", "attention_split"):
+                self.k[n].max_dynamic_shared_size_bytes = MAX_SMEM
             # Float matrices are kept lane-major for matmul_f (token_embd stays
             # row-major for embed, plus a lane-major copy when it is the LM head).
             self._weights, self._matrix = {}, {}
@@ -221,8 +225,9 @@ class CudaBackend:
         _check(1 <= len(ts) <= 3 and len({t.cols for t in ts}) == 1, f"fused matmul of {names}: 1-3 tensors, one K")
         return ts, [t.rows for t in ts] + [0] * (3 - len(ts))
 
-    def _matmul_grid(self, m, rows, warps):
-        blocks = -(-sum(rows) // warps)
+    def _matmul_grid(self, m, rows, warps, rows_per_warp=1):
+        """Grid of matmul_q / matmul_f: (token tiles, blocks); each matrix starts at a warp of its own."""
+        blocks = -(-sum(-(-r // rows_per_warp) for r in rows) // warps)
         _check(blocks <= 65535, f"matmul rows {sum(rows)} exceed the grid")
         return ((m + MQ_TM - 1) // MQ_TM, blocks)
 
@@ -267,7 +272,7 @@ class CudaBackend:
         pad = 3 - len(ts)
         w = [self._matrix[t.name] for t in ts] + [self._matrix[ts[0].name]] * pad
         yy = ys + [ys[0]] * pad
-        self.k["matmul_f"](self._matmul_grid(m, rows, MF_WARPS), (32 * MF_WARPS,),
+        self.k["matmul_f"](self._matmul_grid(m, rows, MF_WARPS, MF_ROWS), (32 * MF_WARPS,),
                            (*w, *yy, *(np.int32(r) for r in rows), np.int32(QTYPE_IDS[ts[0].qtype]),
                             np.int32(lane_width(k, ESIZE[ts[0].qtype])), xl, np.int32(m), np.int32(k)))
         return ys
@@ -282,8 +287,11 @@ class CudaBackend:
         m, k = x.shape
         _check(x.dtype == cp.float32 and x.flags.c_contiguous and w.shape == (k,), "rms_norm x [M, K], w [K]")
         self._check_width(k, v, "rms_norm")
+        smem = (2 * k + 32) * 4
+        _check(smem <= MAX_SMEM, f"rms_norm K={k} exceeds shared memory")
         y = cp.empty_like(x)
-        self.k["rms_norm"]((m,), (128,), (x, w, y, np.int32(m), np.int32(k), np.float32(eps), np.int32(v)))
+        self.k["rms_norm"]((m,), (256,), (x, w, y, np.int32(m), np.int32(k), np.float32(eps), np.int32(v)),
+                           shared_mem=smem)
         return y
 
     def launch_rope(self, x, cos, sin):
@@ -479,19 +487,43 @@ class CudaBackend:
             return
         e = self._graph_cache.get(bucket)
         if e is None:
-            pool = cp.cuda.MemoryPool()
-            with cp.cuda.using_allocator(pool.malloc):
-                e = {"pool": pool, "graph": None, "rows": cp.arange(bucket, dtype=cp.int64),
-                     "tok": cp.zeros(bucket, cp.int64), "pos": cp.zeros(bucket, cp.int64),
-                     "tab": cp.empty((bucket, ms), cp.int32), "page": cp.empty(bucket, cp.int32),
-                     "slot": cp.empty(bucket, cp.int32), "qpos": cp.empty(bucket, cp.int32)}
-            self._graph_cache[bucket] = e
-        e["tab"].set(tab)
-        e["page"].set(tok_page)
-        e["slot"].set(qpos % SPLIT_KV)
-        e["qpos"].set(qpos)
-        self._page_tab, self._tok_page, self._tok_slot, self._qpos = e["tab"], e["page"], e["slot"], e["qpos"]
+            e = self._graph_cache[bucket] = self._new_bucket(bucket, ms)
+        h = e["host"]
+        h["tab"][:] = tab
+        h["page"][:] = tok_page
+        h["slot"][:] = qpos % SPLIT_KV
+        h["qpos"][:] = qpos
+        d = e["dev"]
+        self._page_tab, self._tok_page, self._tok_slot, self._qpos = d["tab"], d["page"], d["slot"], d["qpos"]
         self._entry = e
+
+    def _new_bucket(self, bucket: int, ms: int) -> dict:
+        """Buffers of one graph bucket. The step's inputs (token ids, positions,
+        page tables) live in one pinned host buffer mirrored by one device
+        buffer, so a step uploads them with a single asynchronous copy; the
+        logits come back into a pinned buffer."""
+        cp = self.cp
+        import cupyx
+
+        layout = (("tok", np.int64, bucket), ("pos", np.int64, bucket), ("tab", np.int32, bucket * ms),
+                  ("page", np.int32, bucket), ("slot", np.int32, bucket), ("qpos", np.int32, bucket))
+        size = sum(np.dtype(t).itemsize * n for _, t, n in layout)
+        pool = cp.cuda.MemoryPool()
+        with cp.cuda.using_allocator(pool.malloc):
+            dev_raw = cp.zeros(size, cp.uint8)
+            rows = cp.arange(bucket, dtype=cp.int64)
+        host_raw = cupyx.zeros_pinned(size, np.uint8)
+        host, dev, off = {}, {}, 0
+        for name, t, n in layout:
+            nb = np.dtype(t).itemsize * n
+            host[name] = host_raw[off:off + nb].view(t)
+            dev[name] = dev_raw[off:off + nb].view(t)
+            off += nb
+        for name in ("tab", "page", "slot", "qpos"):
+            host[name] = host[name].reshape((bucket, ms) if name == "tab" else (bucket,))
+            dev[name] = dev[name].reshape((bucket, ms) if name == "tab" else (bucket,))
+        return {"pool": pool, "graph": None, "rows": rows, "host_raw": host_raw, "dev_raw": dev_raw,
+                "host": host, "dev": dev, "logits": cupyx.empty_pinned((bucket, self.hp.n_vocab), np.float32)}
 
     def run(self, forward, tok, pos, rows) -> np.ndarray:
         """Run the engine's device pass; returns host fp32 logits ``[R, n_vocab]``.
@@ -513,21 +545,22 @@ class CudaBackend:
         if e is None:
             return self.to_host(forward(cp.asarray(tok), cp.asarray(pos), cp.asarray(rows)))
         m = len(tok)
-        padded = np.zeros(e["tok"].size, np.int64)
-        padded[:m] = tok
-        e["tok"].set(padded)
-        padded[:m] = pos
-        e["pos"].set(padded)
+        h, d = e["host"], e["dev"]
+        h["tok"][:m], h["tok"][m:] = tok, 0
+        h["pos"][:m], h["pos"][m:] = pos, 0
+        e["dev_raw"].set(e["host_raw"], self.stream)
         if e["graph"] is None:
             with cp.cuda.using_allocator(e["pool"].malloc):
-                forward(e["tok"], e["pos"], e["rows"])          # warm the pool: no cudaMalloc in capture
+                forward(d["tok"], d["pos"], e["rows"])          # warm the pool: no cudaMalloc in capture
                 self.stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
                 try:
-                    e["out"] = forward(e["tok"], e["pos"], e["rows"])
+                    e["out"] = forward(d["tok"], d["pos"], e["rows"])
                 finally:
                     e["graph"] = self.stream.end_capture()
         e["graph"].launch(self.stream)
-        return self.to_host(e["out"][:m])
+        e["out"][:m].get(self.stream, out=e["logits"][:m])
+        self.stream.synchronize()
+        return e["logits"][:m].copy()
 
     def attend(self, layer, q, k, v, feeds=()):
         """Store k, v (fp32 ``[M, Hkv, hd]``) and attend with q (fp32 ``[M, H, hd]``); returns

@@ -1,6 +1,8 @@
 """GPU benchmark: bitexact's CUDA engine beside non-deterministic baselines.
 
-For each model: decode tokens/s at batch 1, 8, 32, 64 (CUDA-graph replay) and
+For each model: decode tokens/s at batch 1, 8, 32, 64 (CUDA-graph replay; the
+step as ``Engine.forward`` returns it, logits copied to the host, and the GPU
+time of the replayed step alone) and
 prefill tokens/s of one 1024-token prompt; GPU memory in use and KV-cache
 capacity. Baselines in the same run, on the same shapes with random bf16 weights:
 (a) HF transformers eager bf16, (b) a plain torch/cuBLAS bf16 forward pass with
@@ -38,6 +40,23 @@ def weight_bytes(model) -> int:
         (model.tensors["token_embd.weight"].raw.nbytes if model.tied_output else 0)
 
 
+def graph_replay_ms(be, batch: int, n: int) -> float:
+    """GPU time of one decode step: the bucket's captured graph replayed ``n`` times
+    back to back, timed with CUDA events (no host work between replays)."""
+    import cupy as cp
+
+    from node.backend_cuda import GRAPH_BUCKETS
+
+    graph = be._graph_cache[next(b for b in GRAPH_BUCKETS if b >= batch)]["graph"]
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(be.stream)
+    for _ in range(n):
+        graph.launch(be.stream)
+    end.record(be.stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / n
+
+
 def bench_bitexact(model, steps: int = 32) -> dict:
     import cupy as cp
 
@@ -56,6 +75,7 @@ def bench_bitexact(model, steps: int = 32) -> dict:
         dt = (time.perf_counter() - t0) / steps
         out["decode_tok_s"][b] = round(b / dt, 1)
         out["decode_ms_step"][b] = round(dt * 1e3, 3)
+        out.setdefault("decode_gpu_ms_step", {})[b] = round(graph_replay_ms(eng.backend, b, steps), 3)
         for s in seqs:
             eng.release(s)
     s = eng.new_sequence()
@@ -75,6 +95,7 @@ def bench_bitexact(model, steps: int = 32) -> dict:
     out["kv_capacity_tokens"] = (be.kv_pages - 1) * 256
     out["roofline_ms_step"] = round(weight_bytes(model) / HBM_BYTES_PER_S * 1e3, 3)
     out["roofline_fraction_b1"] = round(out["roofline_ms_step"] / out["decode_ms_step"][1], 3)
+    out["roofline_fraction_b1_gpu"] = round(out["roofline_ms_step"] / out["decode_gpu_ms_step"][1], 3)
     del eng
     cp.get_default_memory_pool().free_all_blocks()
     return out
@@ -181,13 +202,17 @@ def bench_torch_graphs(hp, steps: int = 32) -> dict:
             logits = step()
         pos.fill_(8)
         torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
+        start.record()
         for i in range(steps):
             g.replay()
             tok.copy_(logits.argmax(-1))
             pos.add_(1)
+        end.record()
         torch.cuda.synchronize()
         out["decode_tok_s"][b] = round(b * steps / (time.perf_counter() - t0), 1)
+        out.setdefault("decode_gpu_ms_step", {})[b] = round(start.elapsed_time(end) / steps, 3)
         del g, kc, vc
     torch.cuda.empty_cache()
     return out

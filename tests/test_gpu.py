@@ -106,14 +106,18 @@ def test_matmul_twin(models, backends, qtype, m):
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16"])
 def test_matmul_f_narrow_chunks(tmp_path, qtype):
-    """K = 96 and 160 (K/32 odd): one-element lane chunks, the narrowest layout."""
+    """K = 96 and 160 (K/32 odd): one-element lane chunks, the narrowest layout;
+    an odd vocabulary (51 rows) leaves the last warp of the LM head one row short."""
     from node.backend_cuda import CudaBackend
-    model = load_model(write_model(str(tmp_path / "odd.gguf"), (96, 1, 4, 2, 160, 50), qtype, seed=3))
+    model = load_model(write_model(str(tmp_path / "odd.gguf"), (96, 1, 4, 2, 160, 51), qtype, seed=3))
     be = CudaBackend(model, pin=None, kv_pages=8)
     x = np.random.default_rng(1).standard_normal((5, 96)).astype(F32)
     got = be.linears(be.from_host(x), ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"])
     for name, g in zip(("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"), got):
         assert_same(ref.matmul_f(x, float_values(model.tensors[name])), be.to_host(g), name)
+    head = model.output.name
+    (got,) = be.linears(be.from_host(x), [head])
+    assert_same(ref.matmul_f(x, float_values(model.tensors[head])), be.to_host(got), head)
     h = np.random.default_rng(2).standard_normal((3, 160)).astype(F32)
     (got,) = be.linears(be.from_host(h), ["blk.0.ffn_down.weight"])
     assert_same(ref.matmul_f(h, float_values(model.tensors["blk.0.ffn_down.weight"])), be.to_host(got), "down")
