@@ -132,12 +132,10 @@ extern "C" __global__ void matmul_q(const unsigned char* __restrict__ W0, const 
         for (int t = 0; t < MQ_TM; ++t) {
             int m = m0 + t;
             if (m >= M) break;
-            const int* qa = (const int*)(xq + (size_t)m * K + 32 * b);
-            int i0 = 0, i1 = 0;
-#pragma unroll
-            for (int w = 0; w < 4; ++w) i0 = __dp4a(codes[w], qa[w], i0);
-#pragma unroll
-            for (int w = 4; w < 8; ++w) i1 = __dp4a(codes[w], qa[w], i1);
+            const int4* qa = (const int4*)(xq + (size_t)m * K + 32 * b);  // 16-byte aligned: K % 32 == 0
+            int4 a0 = qa[0], a1 = qa[1];
+            int i0 = __dp4a(codes[3], a0.w, __dp4a(codes[2], a0.z, __dp4a(codes[1], a0.y, __dp4a(codes[0], a0.x, 0))));
+            int i1 = __dp4a(codes[7], a1.w, __dp4a(codes[6], a1.z, __dp4a(codes[5], a1.y, __dp4a(codes[4], a1.x, 0))));
             int isum = sca * i0 + scb * i1;
             float da = xd[(size_t)m * nb + b];
             float r = __fmul_rn(__fmul_rn(s, da), (float)isum);

@@ -239,6 +239,7 @@ class CudaBackend:
         m, k = q.shape
         _check(k == ts[0].cols and d.shape == (m, k // 32) and a.shape == (m, k // 32),
                f"matmul_q {names} K={ts[0].cols}")
+        _check(q.flags.c_contiguous and q.data.ptr % 16 == 0, "matmul_q: x codes contiguous, 16-byte aligned")
         _check(all(t.qtype not in FLOAT_TYPES for t in ts), "matmul_q takes quantized weights")
         ys = [cp.empty((m, t.rows), cp.float32) for t in ts]
         pad = 3 - len(ts)
