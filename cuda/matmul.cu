@@ -170,11 +170,20 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 // MQ_TM tokens per warp; up to three matrices with the same K and type
 // (Q/K/V, gate/up) in one launch, each starting at a warp of its own.
 // Tile constants, chosen by timing variants on one NVIDIA H200 over the 8B
-// shapes at batch 1, 8 and 32 (docs/benchmarks.md); none changes any sum.
+// shapes at batch 1, 8 and 32 (scripts/tune_matmul_f.py compiles variants with
+// -D; docs/benchmarks.md); none changes any sum. The node compiles the defaults.
+#ifndef MF_WARPS
 #define MF_WARPS 8   // warps per block (node/backend_cuda.py MF_WARPS)
+#endif
+#ifndef MF_ROWS
 #define MF_ROWS 2    // output rows per warp (node/backend_cuda.py MF_ROWS)
+#endif
+#ifndef MF_BYTES
 #define MF_BYTES 32  // weight bytes in flight per lane and row
+#endif
+#ifndef MF_MINB
 #define MF_MINB 3    // __launch_bounds__ minimum blocks per SM (<= 80 registers)
+#endif
 
 template <int WT, int V>
 __device__ __forceinline__ void bx_decode_chunk(const unsigned int* u, float* w) {

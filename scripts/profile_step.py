@@ -1,10 +1,11 @@
-"""Where a CUDA decode step spends its time, by op family.
+"""Where a CUDA decode step spends its time, kernel by kernel.
 
-Runs decode steps eagerly (no CUDA graph) on a synthetic Llama-shaped GGUF,
-timing each backend op with CUDA events and a synchronisation after it, and
-prints milliseconds per step per op family next to the graph-replay step time.
-The per-op figures include one launch gap each; their sum exceeds the graph
-step by the launch overhead that graphs remove.
+Writes a synthetic Llama-shaped GGUF, runs decode steps through the engine's
+CUDA graphs, and reports per batch size: the step as ``Engine.forward``
+returns it (host work and the logits copy included), the GPU time of the
+replayed graph alone (CUDA events), and each kernel's GPU time per step as
+CUPTI records it during graph replay (through PyTorch's profiler, which sees
+every kernel of the process).
 
     python scripts/profile_step.py [--shape llama-8b] [--qtype BF16] [--layers 4] [--batch 1 32] [--out prof.json]
 """
@@ -21,55 +22,54 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-OPS = ("embed", "rms_norm", "linears", "rope", "attend", "silu_gate", "residual_add")
+
+def kernel_ms(replay, n: int = 5) -> dict:
+    """GPU milliseconds per step of each kernel name over ``n`` graph replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            replay()
+    totals = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            totals[ev.name][0] += ev.device_time / 1e3 / n
+            totals[ev.name][1] += 1
+    return {k: {"ms": round(v[0], 4), "launches": v[1] // n} for k, v in sorted(totals.items(), key=lambda kv: -kv[1][0])}
 
 
-def op_key(name: str, args) -> str:
-    if name != "linears":
-        return name
-    parts = [n.rsplit(".", 2)[-2] for n in args[1]]        # blk.0.attn_q.weight -> attn_q
-    return "matmul " + "+".join(parts)
-
-
-def profile(eng, batch: int, steps: int) -> dict:
+def profile_batch(eng, batch: int, steps: int) -> dict:
     import cupy as cp
 
+    from node.backend_cuda import GRAPH_BUCKETS
+
     be = eng.backend
-    totals: dict[str, float] = collections.defaultdict(float)
-    originals = {n: getattr(be, n) for n in OPS}
-
-    def timed(name, fn):
-        def run(*args):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record(be.stream)
-            out = fn(*args)
-            end.record(be.stream)
-            end.synchronize()
-            totals[op_key(name, args)] += cp.cuda.get_elapsed_time(start, end)
-            return out
-        return run
-
     seqs = [eng.new_sequence() for _ in range(batch)]
-    eng.forward([(s, [1, 2, 3, 4]) for s in seqs])
-    be.graphs = False
-    for n in OPS:
-        setattr(be, n, timed(n, originals[n]))
-    for i in range(steps):
-        eng.forward([(s, [5 + i]) for s in seqs])
-    for n in OPS:
-        setattr(be, n, originals[n])
-    be.graphs = True
-    eng.forward([(s, [3]) for s in seqs])                    # capture
+    eng.forward([(s, [1, 2, 3, 4, 5, 6, 7, 8]) for s in seqs])
+    eng.forward([(s, [9]) for s in seqs])                    # capture the bucket's graph
     cp.cuda.runtime.deviceSynchronize()
     t0 = time.perf_counter()
     for i in range(steps):
-        eng.forward([(s, [7 + i]) for s in seqs])
-    graph_ms = (time.perf_counter() - t0) / steps * 1e3
+        eng.forward([(s, [10 + i]) for s in seqs])
+    forward_ms = (time.perf_counter() - t0) / steps * 1e3
+    graph = be._graph_cache[next(b for b in GRAPH_BUCKETS if b >= batch)]["graph"]
+
+    def replay():
+        graph.launch(be.stream)
+        be.stream.synchronize()
+
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(be.stream)
+    for _ in range(steps):
+        graph.launch(be.stream)
+    end.record(be.stream)
+    end.synchronize()
+    kernels = kernel_ms(replay)
     for s in seqs:
         eng.release(s)
-    per_op = {k: round(v / steps, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
-    return {"batch": batch, "graph_step_ms": round(graph_ms, 3), "eager_sum_ms": round(sum(per_op.values()), 3),
-            "ms_per_step": per_op}
+    return {"batch": batch, "forward_ms": round(forward_ms, 3),
+            "graph_gpu_ms": round(cp.cuda.get_elapsed_time(start, end) / steps, 3),
+            "kernel_sum_ms": round(sum(v["ms"] for v in kernels.values()), 3), "kernels": kernels}
 
 
 def main() -> int:
@@ -78,7 +78,7 @@ def main() -> int:
     ap.add_argument("--qtype", default="BF16")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 32])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -90,7 +90,7 @@ def main() -> int:
                        n_layer=args.layers)
     eng = Engine(load_model(path), "cuda", n_ctx=2048, pin=None)
     report = {"shape": args.shape, "qtype": args.qtype, "layers": args.layers,
-              "runs": [profile(eng, b, args.steps) for b in args.batch]}
+              "runs": [profile_batch(eng, b, args.steps) for b in args.batch]}
     os.unlink(path)
     print(json.dumps(report, indent=1))
     if args.out:
