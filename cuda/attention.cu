@@ -106,16 +106,15 @@ extern "C" __global__ void __launch_bounds__(SPLIT_KV) attention_split(
         for (int l = 0; l < 32; ++l) lanes[l] = part[l * hd + d];
         part_o[out * hd + d] = bx_tree32(lanes);
     }
-    if (j == 0) {
-        float lanes[32];
+    if (warp == 0) {  // l_c: lane l adds e over its slots 8l .. 8l+7, then the butterfly
+        float acc = 0.0f;
 #pragma unroll
-        for (int l = 0; l < 32; ++l) {
-            float acc = 0.0f;
-            for (int i = 0; i < 8; ++i) acc = __fadd_rn(acc, e[8 * l + i]);
-            lanes[l] = acc;
+        for (int i = 0; i < 8; ++i) acc = __fadd_rn(acc, e[8 * lane + i]);
+        float l_c = bx_butterfly(acc);
+        if (lane == 0) {
+            part_l[out] = l_c;
+            part_m[out] = m_c;
         }
-        part_l[out] = bx_tree32(lanes);
-        part_m[out] = m_c;
     }
 }
 

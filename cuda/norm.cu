@@ -4,10 +4,11 @@
 #include "common.cuh"
 
 #define RN_THREADS 256
+#define RN_BATCH 8  // elements per thread loaded before any is stored
 
 // One block of RN_THREADS threads per token row. All threads first stage the
-// row x and the weights w in shared memory (coalesced loads, all in flight at
-// once); x is stored skewed by one word per lane segment (element k at
+// row x and the weights w in shared memory (coalesced loads, RN_BATCH of each
+// in flight per thread); x is stored skewed by one word per lane segment (element k at
 // k + k/g), so warp 0's lanes read their segments without bank conflicts.
 // Warp 0: lane l sums x*x over k = l*g .. l*g+g-1 in order, butterfly,
 // inv = 1 / sqrt(ss / K + eps). Then every thread writes y = (x * inv) * w,
@@ -25,10 +26,22 @@ extern "C" __global__ void __launch_bounds__(RN_THREADS) rms_norm(const float* _
     if (m >= M) return;  // uniform per block
     const float* xr = x + (size_t)m * K;
     int g = (K + 31) >> 5;
-#pragma unroll 4
-    for (int k = threadIdx.x; k < K; k += RN_THREADS) {
-        xs[k + k / g] = xr[k];
-        ws[k] = w[k];
+    for (int k0 = 0; k0 < K; k0 += RN_BATCH * RN_THREADS) {  // RN_BATCH loads of x and of w in flight
+        float xv[RN_BATCH], wv[RN_BATCH];
+#pragma unroll
+        for (int i = 0; i < RN_BATCH; ++i) {
+            int k = k0 + i * RN_THREADS + threadIdx.x;
+            xv[i] = k < K ? xr[k] : 0.0f;
+            wv[i] = k < K ? w[k] : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < RN_BATCH; ++i) {
+            int k = k0 + i * RN_THREADS + threadIdx.x;
+            if (k < K) {
+                xs[k + k / g] = xv[i];
+                ws[k] = wv[i];
+            }
+        }
     }
     __syncthreads();
     if (threadIdx.x < 32) {
