@@ -15,6 +15,7 @@ import msgpack
 from node.errors import AttestationError
 
 MAX_BYTES = 64 << 20
+MAX_DEPTH = 32  # arrays and maps nested at most this deep (attestations use fewer than 8 levels)
 
 
 def _sorted(obj):
@@ -43,15 +44,30 @@ def _no_dup_pairs(pairs):
     return d
 
 
+def _depth(obj) -> int:
+    """Nesting depth of arrays and maps in ``obj`` (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(obj, 0)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            o = list(o.values())
+        if isinstance(o, list):
+            deepest = max(deepest, d + 1)
+            stack.extend((v, d + 1) for v in o)
+    return deepest
+
+
 def decode(data: bytes, what: str = "data"):
     """Decode canonical msgpack; raises :class:`AttestationError` on malformed,
-    truncated, trailing or non-canonical input."""
+    truncated, trailing or non-canonical input, or nesting deeper than :data:`MAX_DEPTH`."""
     if len(data) > MAX_BYTES:
         raise AttestationError(f"{what} is larger than {MAX_BYTES} bytes")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=_no_dup_pairs)
     except Exception as e:
         raise AttestationError(f"{what} is not valid msgpack ({type(e).__name__}: {e})") from None
+    if _depth(obj) > MAX_DEPTH:
+        raise AttestationError(f"{what} nests arrays or maps deeper than {MAX_DEPTH} levels")
     try:
         again = encode(obj)
     except Exception:

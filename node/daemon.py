@@ -35,7 +35,6 @@ from .store import AttestationStore
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("bitexact.daemon")
-MAX_SEED = 2 ** 64
 # OpenAI request fields this node does not implement, with their neutral value
 # (absent, null, false, 0, empty or this value is accepted; anything else is a 400).
 UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": None, "suffix": None, "best_of": 1,
@@ -54,16 +53,22 @@ class ApiError(Exception):
                                             "code": self.code}}, status=self.status)
 
 
-def _field(body: dict, name: str, types, default=None, check=None, what=""):
+def _field(body: dict, name: str, types, default=None, what=""):
+    """``body[name]`` (or ``default`` when absent or null) checked against
+    ``types``; a number field (``float`` in ``types``) is returned as a float.
+    Raises :class:`ApiError` (400, ``param=name``) for a wrong type or a number
+    too large for a float."""
     if name not in body or body[name] is None:
         return default
     v = body[name]
-    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+    allowed = types if isinstance(types, tuple) else (types,)
+    if (isinstance(v, bool) and bool not in allowed) or not isinstance(v, types):
         raise ApiError(400, f"'{name}' must be {what}", param=name)
-    if not isinstance(v, types):
-        raise ApiError(400, f"'{name}' must be {what}", param=name)
-    if check and not check(v):
-        raise ApiError(400, f"'{name}' must be {what}", param=name)
+    if float in allowed:
+        try:
+            return float(v)
+        except OverflowError:
+            raise ApiError(400, f"'{name}' must be {what}", param=name) from None
     return v
 
 
@@ -116,15 +121,15 @@ class Node:
             value = body.get(name)
             if value and value != neutral:
                 raise ApiError(400, f"'{name}' is not supported by this node", param=name)
+        # Types here; ranges in SamplingParams.validate and build_request (one rule each).
         max_tokens = _field(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
-                            else "max_tokens", int, 16, lambda v: v > 0, "a positive integer")
+                            else "max_tokens", int, 16, what="an integer")
         if max_tokens > self.max_tokens_cap:
             raise ApiError(400, f"max_tokens may be at most {self.max_tokens_cap}", param="max_tokens")
-        temperature = float(_field(body, "temperature", (int, float), 0.0,
-                                   lambda v: 0 <= v <= 100, "a number in [0, 100]"))
-        top_p = float(_field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"))
-        top_k = _field(body, "top_k", int, 0, lambda v: v >= 0, "an integer >= 0")
-        seed = _field(body, "seed", int, 0, lambda v: 0 <= v < MAX_SEED, "an integer in [0, 2**64)")
+        temperature = _field(body, "temperature", (int, float), 0.0, what="a number")
+        top_p = _field(body, "top_p", (int, float), 1.0, what="a number")
+        top_k = _field(body, "top_k", int, 0, what="an integer")
+        seed = _field(body, "seed", int, 0, what="an integer")
         stop = body.get("stop")
         if stop is None:
             stop = []
@@ -157,7 +162,7 @@ class Node:
             return build_request(req, self.tok, self.engine.n_ctx)
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
-            raise ApiError(400, str(e), code=code) from None
+            raise ApiError(400, str(e), code=code, param=e.param) from None
 
     # ---- attestation -----------------------------------------------------
     def attest(self, result) -> dict:

@@ -17,6 +17,7 @@ import numpy as np
 from .errors import NumericFault, RequestError
 from .gguf_model import Model
 from .rope_table import rope_table
+from .tp import check_degree
 
 
 class Engine:
@@ -28,8 +29,8 @@ class Engine:
     as that many tensor-parallel ranks would (:mod:`node.tp`); the bytes are
     those of ``tp = 1``. ``cuda_opts`` (``pin``, ``kv_pages``) go to
     :class:`~node.backend_cuda.CudaBackend`. Raises :class:`RequestError` for an
-    unknown device or ``tp > 1`` on cuda, :class:`ModelError` for a ``tp`` the
-    model's heads cannot be split by.
+    unknown device or ``tp > 1`` on cuda, :class:`ModelError` for a ``tp`` that
+    is not 1, 2, 4 or 8 or that the model's heads cannot be split by.
     """
 
     def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None, tp: int = 1, **cuda_opts):
@@ -38,6 +39,7 @@ class Engine:
         if n_ctx is not None and not (isinstance(n_ctx, int) and 1 <= n_ctx <= 1 << 20):
             raise RequestError(f"the context length must be an integer in [1, 2**20], got {n_ctx!r}")
         self.n_ctx = n_ctx or min(hp.n_ctx_train, 8192)
+        check_degree(tp)
         if device == "cpu" and tp != 1:
             from .tp import TpCpuBackend
             self.backend = TpCpuBackend(model, tp)

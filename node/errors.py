@@ -16,7 +16,12 @@ class ModelError(BitexactError):
 
 
 class RequestError(BitexactError):
-    """A request parameter outside its documented range."""
+    """A request parameter outside its documented range; ``param`` names the
+    request field at fault (the OpenAI error's ``param``), when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class AttestationError(BitexactError):

@@ -71,7 +71,7 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise RequestError("give exactly one of a prompt or chat messages")
     if not isinstance(req.max_tokens, int) or not 0 < req.max_tokens < 2 ** 31:
-        raise RequestError(f"max tokens must be an integer in [1, 2**31), got {req.max_tokens}")
+        raise RequestError(f"max tokens must be an integer in [1, 2**31), got {req.max_tokens}", "max_tokens")
     req.params.validate()
     if any(not isinstance(s, str) or not s for s in req.stop):
         raise RequestError("stop strings must be non-empty")

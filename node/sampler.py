@@ -63,13 +63,13 @@ class SamplingParams:
         top_k in [0, 2**31), seed in [0, 2**64)."""
         t = self.temperature
         if not (t == 0.0 or MIN_TEMPERATURE <= t <= 100.0):
-            raise RequestError(f"temperature must be 0 or in [{MIN_TEMPERATURE}, 100], got {t}")
+            raise RequestError(f"temperature must be 0 or in [{MIN_TEMPERATURE}, 100], got {t}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if not 0 <= self.top_k < 2 ** 31:
-            raise RequestError(f"top_k must be in [0, 2**31), got {self.top_k}")
+            raise RequestError(f"top_k must be in [0, 2**31), got {self.top_k}", "top_k")
         if not 0 <= self.seed < 2 ** 64:
-            raise RequestError(f"seed must be in [0, 2**64), got {self.seed}")
+            raise RequestError(f"seed must be in [0, 2**64), got {self.seed}", "seed")
 
 
 def sample(logits: np.ndarray, params: SamplingParams, pos: int) -> int:

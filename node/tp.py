@@ -34,6 +34,14 @@ TP_DEGREES = (1, 2, 4, 8)
 ROW_PARALLEL = ("attn_output.weight", "ffn_down.weight")
 
 
+def check_degree(tp) -> int:
+    """Return ``tp`` if it is a tensor-parallel degree of :data:`TP_DEGREES` (an
+    ``int``; ``True`` or ``2.0`` are refused); raise :class:`ModelError` otherwise."""
+    if type(tp) is not int or tp not in TP_DEGREES:
+        raise ModelError(f"tensor-parallel degree must be one of {TP_DEGREES}, got {tp!r}")
+    return tp
+
+
 def k_shards(k: int, quantized: bool, tp: int) -> list[tuple[int, int]]:
     """Element ranges ``[a, b)`` of K owned by each of ``tp`` ranks (contract lanes).
 
@@ -58,8 +66,7 @@ class ShardPlan:
     """
 
     def __init__(self, model: Model, tp: int):
-        if tp not in TP_DEGREES:
-            raise ModelError(f"tensor-parallel degree must be one of {TP_DEGREES}, got {tp}")
+        check_degree(tp)
         hp = model.hparams
         self.tp = tp
         self.heads, self.ffn = {}, {}

@@ -421,6 +421,19 @@ def test_malformed_msgpack_is_rejected(data):
         canonical.decode(data)
 
 
+@pytest.mark.parametrize("depth,ok", [(canonical.MAX_DEPTH, True), (canonical.MAX_DEPTH + 1, False),
+                                      (600, False), (1000, False)])
+def test_nesting_depth_is_bounded(depth, ok):
+    """Arrays nested past MAX_DEPTH are refused with a message that says so
+    (600 levels is past msgpack's own packing limit, 1000 near its unpacking one)."""
+    data = b"\x91" * (depth - 1) + b"\x90"
+    if ok:
+        assert canonical.decode(data) is not None
+    else:
+        with pytest.raises(AttestationError, match="deeper than"):
+            canonical.decode(data)
+
+
 _scalars = (st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1)
             | st.floats(allow_nan=False) | st.text(max_size=8) | st.binary(max_size=8))
 _values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)

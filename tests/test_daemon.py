@@ -225,8 +225,11 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (json.dumps({"prompt": "hi", "max_tokens": 10 ** 9}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
     (json.dumps(["a"]).encode(), 400, None),
-    (json.dumps({"prompt": "hi", "temperature": 1e-45}).encode(), 400, None),       # logits / T would overflow
-    (json.dumps({"prompt": "hi", "top_k": 2 ** 64}).encode(), 400, None),
+    (json.dumps({"prompt": "hi", "temperature": 1e-45}).encode(), 400, "temperature"),  # logits / T would overflow
+    (json.dumps({"prompt": "hi", "temperature": 10 ** 400}).encode(), 400, "temperature"),  # no float holds it
+    (json.dumps({"prompt": "hi", "top_k": 2 ** 64}).encode(), 400, "top_k"),
+    (json.dumps({"prompt": "hi", "top_k": -1}).encode(), 400, "top_k"),
+    (json.dumps({"prompt": "hi", "seed": 2 ** 64}).encode(), 400, "seed"),
     (b'{"prompt": "\\ud800", "max_tokens": 1}', 400, None),                          # lone surrogate
     (json.dumps({"prompt": "hi", "stop": "\ud800"}).encode(), 400, None),
     (b"[" * 100000 + b"]" * 100000, 400, None),                                      # too deep for the parser

@@ -99,5 +99,6 @@ def test_tp_refuses_a_degree_that_splits_a_head(tmp_path):
     Engine(model, tp=4)                                                     # 64 elements per rank = 1 head
     with pytest.raises(ModelError, match="split a head"):
         Engine(model, tp=8)
-    with pytest.raises(ModelError, match="degree"):
-        Engine(model, tp=3)
+    for bad in (3, True, 2.0, "2"):
+        with pytest.raises(ModelError, match="degree"):
+            Engine(model, tp=bad)
