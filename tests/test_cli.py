@@ -424,6 +424,20 @@ def test_verify_fails_on_resigned_changed_output(art, tmp_path):
     assert lines[0] == f"FAIL: first divergent step {k}: expected token {forged}, got token {got}"
 
 
+def test_verify_names_a_changed_step_digest_when_the_tokens_agree(art, tmp_path):
+    """Only step 2's chain link is forged (tokens untouched): the report names
+    the step and says the tokens agree but the step digest differs."""
+    p = copy.deepcopy(art.payload)
+    k = 2
+    p["output"]["step_chain"][k] = hashlib.sha256(b"forged link").digest()
+    write(tmp_path / "r.bxa", envelope.seal(p, art.private_key()))
+    r = bx(tmp_path, "verify", "r.bxa", "--trusted-key", art.pub)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    tok = p["output"]["tokens"][k]
+    assert r.stdout.splitlines() == [f"FAIL: first divergent step {k}: token {tok} in both, but the step digest "
+                                     f"(logits, or the request it chains from) differs"]
+
+
 def test_verify_fails_on_resigned_changed_first_token_json(art, tmp_path):
     k = 0
     blob, forged, got = _resealed_with_changed_token(art, k)
@@ -498,13 +512,21 @@ def test_usage_errors_are_one_line(tmp_path):
     (["--max-body-bytes", "-1"], "--max-body-bytes"),
     (["--max-tokens-cap", "0"], "--max-tokens-cap"),
     (["--data-dir", "WRONG_STORE"], "attestation store"),
+    (["--data-dir", "DIR_STORE"], "attestation store"),
+    (["--data-dir", "RANDOM_STORE"], "attestation store"),
 ])
 def test_serve_rejects_bad_options_and_foreign_stores(art, tmp_path, args, needle):
+    """A store with another table, a store path that is a folder, and a store
+    file of random bytes each give one error line before any socket opens."""
     import sqlite3
     db = sqlite3.connect(tmp_path / "attestations.sqlite3")
     db.execute("CREATE TABLE attestations (x)")
     db.close()
-    args = [str(tmp_path) if a == "WRONG_STORE" else a for a in args]
+    (tmp_path / "dir" / "attestations.sqlite3").mkdir(parents=True)
+    (tmp_path / "rnd").mkdir()
+    (tmp_path / "rnd" / "attestations.sqlite3").write_bytes(hashlib.sha256(b"x").digest() * 256)
+    where = {"WRONG_STORE": tmp_path, "DIR_STORE": tmp_path / "dir", "RANDOM_STORE": tmp_path / "rnd"}
+    args = [str(where.get(a, a)) for a in args]
     p = bx(tmp_path, "serve", "--key", art.key, "--device", "cpu", *args, timeout=120)
     assert needle in assert_input_error(p)
 

@@ -136,3 +136,20 @@ def test_engine_rejects_a_bad_context_length(n_ctx):
     from node.gguf_model import default_model_path, load_model
     with pytest.raises(RequestError, match="context length"):
         Engine(load_model(default_model_path()), n_ctx=n_ctx)
+
+
+@pytest.mark.parametrize("template", ["{{ raise_exception('system role not supported') }}",
+                                      "{{ messages[0]['content'] / 0 }}", "{% for %}", "{{ x.y.z() }}",
+                                      "{{ ''.__class__.__mro__ }}"])
+def test_a_failing_chat_template_is_one_request_error(template):
+    """The chat template is code from the model file: any failure, including
+    the sandbox refusing an attribute, is a one-line RequestError."""
+    from node.errors import RequestError
+    from node.gguf_model import default_model_path, load_model
+    from node.tokenizer import Tokenizer
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+    model.metadata["tokenizer.chat_template"] = template
+    with pytest.raises(RequestError, match="^chat template failed") as e:
+        tok.render_chat([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(e.value)
