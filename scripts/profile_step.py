@@ -21,6 +21,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_gpu import graph_replay_ms  # noqa: E402
 
 
 def kernel_ms(replay, n: int = 5) -> dict:
@@ -58,17 +61,11 @@ def profile_batch(eng, batch: int, steps: int) -> dict:
         graph.launch(be.stream)
         be.stream.synchronize()
 
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(be.stream)
-    for _ in range(steps):
-        graph.launch(be.stream)
-    end.record(be.stream)
-    end.synchronize()
+    gpu_ms = graph_replay_ms(be, batch, steps)
     kernels = kernel_ms(replay)
     for s in seqs:
         eng.release(s)
-    return {"batch": batch, "forward_ms": round(forward_ms, 3),
-            "graph_gpu_ms": round(cp.cuda.get_elapsed_time(start, end) / steps, 3),
+    return {"batch": batch, "forward_ms": round(forward_ms, 3), "graph_gpu_ms": round(gpu_ms, 3),
             "kernel_sum_ms": round(sum(v["ms"] for v in kernels.values()), 3), "kernels": kernels}
 
 
