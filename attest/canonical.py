@@ -45,7 +45,8 @@ def _no_dup_pairs(pairs):
 
 
 def _depth(obj) -> int:
-    """Nesting depth of arrays and maps in ``obj`` (a scalar is 0), without recursion."""
+    """Nesting depth of arrays and maps in ``obj`` (a scalar is 0), without recursion;
+    only containers are pushed, so a wide flat array costs no memory."""
     deepest, stack = 0, [(obj, 0)]
     while stack:
         o, d = stack.pop()
@@ -53,7 +54,7 @@ def _depth(obj) -> int:
             o = list(o.values())
         if isinstance(o, list):
             deepest = max(deepest, d + 1)
-            stack.extend((v, d + 1) for v in o)
+            stack.extend((v, d + 1) for v in o if isinstance(v, (list, dict)))
     return deepest
 
 
@@ -64,6 +65,8 @@ def decode(data: bytes, what: str = "data"):
         raise AttestationError(f"{what} is larger than {MAX_BYTES} bytes")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=_no_dup_pairs)
+    except msgpack.StackError:  # msgpack's own nesting limit (1024), past ours
+        raise AttestationError(f"{what} nests arrays or maps deeper than {MAX_DEPTH} levels") from None
     except Exception as e:
         raise AttestationError(f"{what} is not valid msgpack ({type(e).__name__}: {e})") from None
     if _depth(obj) > MAX_DEPTH:

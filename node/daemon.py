@@ -68,7 +68,7 @@ def _field(body: dict, name: str, types, default=None, what=""):
         try:
             return float(v)
         except OverflowError:
-            raise ApiError(400, f"'{name}' must be {what}", param=name) from None
+            raise ApiError(400, f"'{name}' is too large for a float", param=name) from None
     return v
 
 
@@ -122,10 +122,16 @@ class Node:
             if value and value != neutral:
                 raise ApiError(400, f"'{name}' is not supported by this node", param=name)
         # Types here; ranges in SamplingParams.validate and build_request (one rule each).
-        max_tokens = _field(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
-                            else "max_tokens", int, 16, what="an integer")
+        given = [n for n in ("max_tokens", "max_completion_tokens") if body.get(n) is not None]
+        if not chat and "max_completion_tokens" in given:
+            raise ApiError(400, "'max_completion_tokens' is a chat field; completions take 'max_tokens'",
+                           param="max_completion_tokens")
+        if len(given) == 2:
+            raise ApiError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
+        limit = given[0] if given else "max_tokens"
+        max_tokens = _field(body, limit, int, 16, what="an integer")
         if max_tokens > self.max_tokens_cap:
-            raise ApiError(400, f"max_tokens may be at most {self.max_tokens_cap}", param="max_tokens")
+            raise ApiError(400, f"'{limit}' may be at most {self.max_tokens_cap}", param=limit)
         temperature = _field(body, "temperature", (int, float), 0.0, what="a number")
         top_p = _field(body, "top_p", (int, float), 1.0, what="a number")
         top_k = _field(body, "top_k", int, 0, what="an integer")
@@ -162,7 +168,7 @@ class Node:
             return build_request(req, self.tok, self.engine.n_ctx)
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
-            raise ApiError(400, str(e), code=code, param=e.param) from None
+            raise ApiError(400, str(e), code=code, param=limit if e.param == "max_tokens" else e.param) from None
 
     # ---- attestation -----------------------------------------------------
     def attest(self, result) -> dict:

@@ -36,7 +36,7 @@ class Engine:
     def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None, tp: int = 1, **cuda_opts):
         self.model = model
         self.hp = hp = model.hparams
-        if n_ctx is not None and not (isinstance(n_ctx, int) and 1 <= n_ctx <= 1 << 20):
+        if n_ctx is not None and not (type(n_ctx) is int and 1 <= n_ctx <= 1 << 20):
             raise RequestError(f"the context length must be an integer in [1, 2**20], got {n_ctx!r}")
         self.n_ctx = n_ctx or min(hp.n_ctx_train, 8192)
         check_degree(tp)

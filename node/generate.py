@@ -40,26 +40,26 @@ class Result:
     digest: bytes
 
 
-def _utf8(text: str, what: str) -> str:
+def _utf8(text: str, what: str, param: str) -> str:
     """``text`` if it encodes as UTF-8 (no lone surrogates), else :class:`RequestError`."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise RequestError(f"the {what} is not valid Unicode text (a lone surrogate?)") from None
+        raise RequestError(f"the {what} is not valid Unicode text (a lone surrogate?)", param) from None
     return text
 
 
 def _validate_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
-        raise RequestError("chat messages must be a non-empty list")
+        raise RequestError("chat messages must be a non-empty list", "messages")
     for m in messages:
         if not (isinstance(m, dict) and set(m) == {"role", "content"}
                 and isinstance(m["role"], str) and isinstance(m["content"], str)):
-            raise RequestError("each chat message must be {\"role\": str, \"content\": str}")
-        _utf8(m["role"], "chat role")
-        _utf8(m["content"], "chat message")
+            raise RequestError("each chat message must be {\"role\": str, \"content\": str}", "messages")
+        _utf8(m["role"], "chat role", "messages")
+        _utf8(m["content"], "chat message", "messages")
     if not any(m["content"].strip() for m in messages):
-        raise RequestError("the chat messages are empty")
+        raise RequestError("the chat messages are empty", "messages")
 
 
 def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
@@ -74,9 +74,9 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
         raise RequestError(f"max tokens must be an integer in [1, 2**31), got {req.max_tokens}", "max_tokens")
     req.params.validate()
     if any(not isinstance(s, str) or not s for s in req.stop):
-        raise RequestError("stop strings must be non-empty")
+        raise RequestError("stop strings must be non-empty", "stop")
     for s in req.stop:
-        _utf8(s, "stop string")
+        _utf8(s, "stop string", "stop")
     if req.messages is not None:
         _validate_messages(req.messages)
         text = tok.render_chat(req.messages)
@@ -84,8 +84,8 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
         mode = "chat"
     else:
         if not req.prompt or not req.prompt.strip():
-            raise RequestError("the prompt is empty")
-        _utf8(req.prompt, "prompt")
+            raise RequestError("the prompt is empty", "prompt")
+        _utf8(req.prompt, "prompt", "prompt")
         text, ids, mode = req.prompt, tok.encode(req.prompt), "prompt"
     if len(ids) >= n_ctx:
         raise RequestError(f"the prompt is {len(ids)} tokens; the context holds {n_ctx} (one must stay free)")

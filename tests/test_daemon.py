@@ -220,8 +220,8 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (json.dumps({"prompt": "hi", "seed": -1}).encode(), 400, "seed"),
     (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"prompt": 42}).encode(), 400, "prompt"),
-    (json.dumps({"prompt": ""}).encode(), 400, None),
-    (json.dumps({"prompt": "   "}).encode(), 400, None),
+    (json.dumps({"prompt": ""}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": "   "}).encode(), 400, "prompt"),
     (json.dumps({"prompt": "hi", "max_tokens": 10 ** 9}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
     (json.dumps(["a"]).encode(), 400, None),
@@ -230,10 +230,11 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (json.dumps({"prompt": "hi", "top_k": 2 ** 64}).encode(), 400, "top_k"),
     (json.dumps({"prompt": "hi", "top_k": -1}).encode(), 400, "top_k"),
     (json.dumps({"prompt": "hi", "seed": 2 ** 64}).encode(), 400, "seed"),
-    (b'{"prompt": "\\ud800", "max_tokens": 1}', 400, None),                          # lone surrogate
-    (json.dumps({"prompt": "hi", "stop": "\ud800"}).encode(), 400, None),
+    (b'{"prompt": "\\ud800", "max_tokens": 1}', 400, "prompt"),                      # lone surrogate
+    (json.dumps({"prompt": "hi", "stop": "\ud800"}).encode(), 400, "stop"),
     (b"[" * 100000 + b"]" * 100000, 400, None),                                      # too deep for the parser
     (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),           # integer too long to parse
+    (json.dumps({"prompt": "hi", "max_completion_tokens": 2}).encode(), 400, "max_completion_tokens"),
     (json.dumps({"prompt": "hi", "logprobs": 5}).encode(), 400, "logprobs"),
     (json.dumps({"prompt": "hi", "echo": True}).encode(), 400, "echo"),
     (json.dumps({"prompt": "hi", "best_of": 3}).encode(), 400, "best_of"),
@@ -267,6 +268,21 @@ def test_bad_chat_requests_and_node_keeps_serving(daemon, solo):
         code, err = daemon.post_raw("/v1/chat/completions", json.dumps(body).encode())
         assert code == 400 and err["error"]["type"] == "invalid_request_error", body
     assert send(daemon, "chat", "Say hi.", 4) == solo("chat", "Say hi.", 4)
+
+
+@pytest.mark.parametrize("limits,param", [
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_completion_tokens": 10 ** 9}, "max_completion_tokens"),          # past the node's cap
+    ({"max_completion_tokens": "2"}, "max_completion_tokens"),
+    ({"max_completion_tokens": None, "max_tokens": 0}, "max_tokens"),       # null counts as absent
+    ({"max_completion_tokens": None, "max_tokens": "bad"}, "max_tokens"),
+    ({"max_completion_tokens": 1, "max_tokens": 1}, "max_tokens"),          # one limit, not two
+])
+def test_chat_token_limit_errors_name_the_field_given(daemon, limits, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], **limits}
+    code, err = daemon.post_raw("/v1/chat/completions", json.dumps(body).encode())
+    assert code == 400 and err["error"]["param"] == param, err
+    assert param in err["error"]["message"] or "max tokens" in err["error"]["message"]
 
 
 def test_limits_context_body_and_queue(key, tmp_path, solo):

@@ -130,7 +130,7 @@ def test_every_quant_type_batch_invariant(tmp_path, qtype):
     assert np.concatenate(got).tobytes() == want.tobytes()
 
 
-@pytest.mark.parametrize("n_ctx", [0, -5, 2.5, 1 << 21, "8"])
+@pytest.mark.parametrize("n_ctx", [0, -5, 2.5, 1 << 21, "8", True])
 def test_engine_rejects_a_bad_context_length(n_ctx):
     from node.errors import RequestError
     from node.gguf_model import default_model_path, load_model
