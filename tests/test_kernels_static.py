@@ -1,5 +1,8 @@
-"""CUDA sources: no atomics in the text, and with nvcc for sm_90 (the pinned
-options): no register spills and no atom/red instruction in PTX or SASS."""
+"""CUDA sources: no atomics in the text; with nvcc for sm_90 (the pinned
+options): no register spills and no atom/red instruction in PTX or SASS; and
+the cubins the node itself builds with NVRTC (no GPU needed to compile): no
+atom/red instruction, no stack or local memory, and a compile error is one
+GpuError line."""
 
 import os
 import re
@@ -8,12 +11,20 @@ import subprocess
 
 import pytest
 
-from node.backend_cuda import KERNEL_FILES
+from node.backend_cuda import KERNEL_FILES, GpuError, _nvrtc_compile
 from node.kernels import COMPILE_OPTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUDA = os.path.join(ROOT, "cuda")
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+
+
+def _cuobjdump_env():
+    """cuobjdump and an environment in which it finds nvdisasm."""
+    tool = _cuobjdump()
+    assert tool, "cuobjdump not found (pip install nvidia-cuda-cuobjdump)"
+    return tool, dict(os.environ, NVDISASM_PATH=os.path.dirname(tool),
+                      PATH=os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", ""))
 
 
 def _cuobjdump():
@@ -31,6 +42,7 @@ def _cuobjdump():
     return None
 
 
+SASS_ATOMIC = r"\b(ATOM|ATOMS|ATOMG|RED|REDG|REDAS)\b"  # sm_90 opcodes (REDG: atomicAdd with unused result)
 NVCC_OPTS = list(COMPILE_OPTIONS)  # the exact options NVRTC compiles with (nvcc accepts them)
 
 
@@ -61,10 +73,42 @@ def test_nvcc_no_spills_no_atomic_instructions(tmp_path, name):
     r = subprocess.run([NVCC, "-ptx", *NVCC_OPTS, "-I", CUDA, "-o", str(ptx), src], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert not re.search(r"\b(atom|red)\.", ptx.read_text())
-    tool = _cuobjdump()
-    assert tool, "cuobjdump not found (pip install nvidia-cuda-cuobjdump)"
-    env = dict(os.environ, NVDISASM_PATH=os.path.dirname(tool),
-               PATH=os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", ""))
+    _assert_sass_atomic_free(cubin)
+
+
+def _assert_sass_atomic_free(cubin):
+    tool, env = _cuobjdump_env()
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, env=env)
     assert sass.returncode == 0 and "Function" in sass.stdout
-    assert not re.search(r"\b(ATOM|ATOMS|ATOMG|RED)\b", sass.stdout)
+    assert not re.search(SASS_ATOMIC, sass.stdout)
+
+
+@pytest.mark.parametrize("name", KERNEL_FILES)
+def test_nvrtc_cubins_are_atomic_free_without_local_memory(tmp_path, name):
+    """The node's own build path (node/backend_cuda.py _nvrtc_compile, pinned options)."""
+    with open(os.path.join(CUDA, name)) as f, open(os.path.join(CUDA, "common.cuh")) as h:
+        cubin_bytes = _nvrtc_compile(name, f.read(), h.read())
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(cubin_bytes)
+    _assert_sass_atomic_free(cubin)
+    tool, env = _cuobjdump_env()
+    res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, env=env)
+    usage = re.findall(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res.stdout)
+    assert res.returncode == 0 and usage, res.stdout + res.stderr
+    assert all(stack == "0" and local == "0" for _, _, stack, local in usage), usage
+
+
+@pytest.mark.parametrize("body", ["atomicAdd(o + 1, 1.0f);", "o[2] = atomicAdd(o + 1, 1.0f);",
+                                  "__shared__ float s; atomicAdd(&s, 1.0f); o[3] = s;"])
+def test_the_sass_check_catches_planted_atomics(tmp_path, body):
+    """The SASS check can fail: global (REDG, ATOMG) and shared (ATOMS) atomics are flagged."""
+    cubin = tmp_path / "planted.cubin"
+    cubin.write_bytes(_nvrtc_compile("planted.cu", 'extern "C" __global__ void k(float* o) { %s }' % body, ""))
+    with pytest.raises(AssertionError):
+        _assert_sass_atomic_free(cubin)
+
+
+def test_nvrtc_compile_error_is_one_gpu_error_line():
+    with pytest.raises(GpuError, match=r"^NVRTC failed to compile cuda/broken\.cu: .*error") as e:
+        _nvrtc_compile("broken.cu", 'extern "C" __global__ void k() { int x = ; }', "")
+    assert "\n" not in str(e.value)
