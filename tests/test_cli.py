@@ -228,6 +228,25 @@ def test_run_rejects_bad_requests(art, tmp_path, cwd, args, needle):
     assert listing(art.dir) == sorted(["node.pem", "node.pub.pem", os.path.basename(art.bxa)])
 
 
+def _usable_gpu() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(_usable_gpu(), reason="this machine has a usable GPU")
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_device_cuda_without_a_usable_gpu_is_one_error_line(art, cwd, command):
+    """--device cuda where CuPy is missing or sees no GPU: exit 2, one line, nothing written."""
+    args = ["--key", art.key, "--prompt", "hi", "--max-tokens", "1"] if command == "run" else [art.bxa]
+    p = bx(cwd, command, *args, "--device", "cuda")
+    line = assert_input_error(p)
+    assert "CuPy" in line or "GPU" in line, line
+    assert listing(cwd) == []
+
+
 def test_run_with_explicit_attestation_path_writes_nothing_on_failure(art, cwd):
     p = bx(cwd, "run", "--key", art.key, "--prompt", "hi", "--top-p", "0", "--attestation", "out.bxa",
            "--device", "cpu")
