@@ -71,19 +71,20 @@ def open_engine(args):
                            f"{model.hparams.n_ctx_train}, got {args.ctx}")
     tok = Tokenizer(model)
     device = resolve_device(args.device)
+    tp = getattr(args, "tp", 1)
+    if tp != 1:
+        if device != "cpu":
+            raise RequestError("--tp runs its ranks on the CPU in this version; add --device cpu")
+        from .tp_runtime import TpEngine
+        return model, tok, TpEngine(model, tp, n_ctx=args.ctx)
     opts = {"pin": args.pin or None} if device == "cuda" else {}
     return model, tok, Engine(model, device=device, n_ctx=args.ctx, **opts)
 
 
 def cmd_serve(args) -> int:
-    import logging
-    import sqlite3
-
-    from aiohttp import web
-
     from attest import keys
 
-    from .daemon import Node, make_app
+    from .tp import check_degree
 
     if args.max_batch < 1 or args.max_queue < 0 or args.max_tokens_cap < 1 or args.max_body_bytes < 1:
         raise RequestError("--max-batch, --max-tokens-cap and --max-body-bytes must be >= 1, --max-queue >= 0")
@@ -91,8 +92,25 @@ def cmd_serve(args) -> int:
         raise RequestError(f"--port must be in [0, 65535], got {args.port}")
     if not args.data_dir:
         raise RequestError("--data-dir must not be empty")
+    check_degree(args.tp)
     key = keys.load_private(args.key, _passphrase(args), require_private_mode=True)
     model, tok, engine = open_engine(args)
+    try:
+        _serve(args, tok, key, engine)
+    finally:
+        if args.tp != 1:
+            engine.close()                          # stop the rank processes, free their shared memory
+    return EXIT_OK
+
+
+def _serve(args, tok, key, engine) -> None:
+    import logging
+    import sqlite3
+
+    from aiohttp import web
+
+    from .daemon import Node, make_app
+
     try:
         node = Node(engine, tok, key, args.data_dir, args.max_batch, args.max_queue,
                     max_tokens_cap=min(args.max_tokens_cap, engine.n_ctx), pin=args.pin)
@@ -101,14 +119,14 @@ def cmd_serve(args) -> int:
     except sqlite3.Error as e:
         raise BitexactError(f"cannot open the attestation store in {args.data_dir}: {e}") from None
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    banner = (f"bitexact serve: {node.model_id} on {engine.device}, key id {node.key_id}, "
+    tp = f" (tensor parallel: {args.tp} rank processes)" if args.tp != 1 else ""
+    banner = (f"bitexact serve: {node.model_id} on {engine.device}{tp}, key id {node.key_id}, "
               f"http://{args.host}:{args.port}")
     try:   # the banner is printed once the socket is bound
         web.run_app(make_app(node, args.max_body_bytes), host=args.host, port=args.port, shutdown_timeout=30,
                     print=lambda _: print(banner, flush=True), access_log=None)
     except OSError as e:
         raise BitexactError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
-    return EXIT_OK
 
 
 def cmd_run(args) -> int:
@@ -250,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens-cap", type=int, default=4096, metavar="N")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N")
     s.add_argument("--ctx", type=int, metavar="N")
+    s.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel degree 1, 2, 4 or 8: one rank process each (CPU)")
     s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("inspect", help="show every field of an attestation")

@@ -27,20 +27,25 @@ class Engine:
     ``n_ctx`` is the context length in tokens (default: the model's training
     context, at most 8192). ``tp`` (1, 2, 4, 8) runs the numpy engine sharded
     as that many tensor-parallel ranks would (:mod:`node.tp`); the bytes are
-    those of ``tp = 1``. ``cuda_opts`` (``pin``, ``kv_pages``) go to
+    those of ``tp = 1``. ``backend`` is an already built numpy backend (a
+    :class:`node.tp_runtime.RankBackend`; ``device`` must then be ``"cpu"``).
+    ``cuda_opts`` (``pin``, ``kv_pages``) go to
     :class:`~node.backend_cuda.CudaBackend`. Raises :class:`RequestError` for an
     unknown device or ``tp > 1`` on cuda, :class:`ModelError` for a ``tp`` that
     is not 1, 2, 4 or 8 or that the model's heads cannot be split by.
     """
 
-    def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None, tp: int = 1, **cuda_opts):
+    def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None, tp: int = 1, backend=None,
+                 **cuda_opts):
         self.model = model
         self.hp = hp = model.hparams
         if n_ctx is not None and not (type(n_ctx) is int and 1 <= n_ctx <= 1 << 20):
             raise RequestError(f"the context length must be an integer in [1, 2**20], got {n_ctx!r}")
         self.n_ctx = n_ctx or min(hp.n_ctx_train, 8192)
         check_degree(tp)
-        if device == "cpu" and tp != 1:
+        if backend is not None:                 # a tensor-parallel rank's backend (node.tp_runtime)
+            self.backend = backend
+        elif device == "cpu" and tp != 1:
             from .tp import TpCpuBackend
             self.backend = TpCpuBackend(model, tp)
         elif device == "cpu":

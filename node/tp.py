@@ -106,10 +106,13 @@ def _k_cols(w, a: int, b: int):
 class TpCpuBackend(CpuBackend):
     """The numpy engine computed as ``tp`` ranks would compute it, one rank after another.
 
-    Every product is evaluated per rank on that rank's shard only; gathers are
-    concatenations and the row-parallel combine is
-    ``subtree_sum(partials, 1, tp)``. Attention is per (token, head), so the
-    heads of all ranks are evaluated in one call.
+    Every product is evaluated per rank on that rank's shard only
+    (:meth:`piece`); the pieces are then gathered and assembled
+    (:meth:`assemble`): column-parallel pieces are concatenated, row-parallel
+    partials combine as ``subtree_sum(partials, 1, tp)``. Attention is per
+    (token, head), so the heads of all ranks are evaluated in one call.
+    :class:`node.tp_runtime.RankBackend` computes one rank's pieces in its own
+    process and gathers the others' from the other processes.
     """
 
     def __init__(self, model: Model, tp: int):
@@ -118,31 +121,40 @@ class TpCpuBackend(CpuBackend):
         self.tp = tp
 
     def linears(self, x, names):
-        return [self._linear(x, name) for name in names]
+        return [self.assemble(name, [self.piece(x, name, r) for r in range(self.tp)]) for name in names]
 
-    def _linear(self, x, name):
+    def _column_spans(self, name):
+        """Output rows ``[a, b)`` of each rank for a column-parallel matrix ``name``."""
+        if name == self.model.output.name:
+            return self.plan.vocab
+        layer, kind = int(name.split(".")[1]), name.split(".")[2]
+        return self.plan.column_rows(layer, kind.split("_")[-1], self.hp)
+
+    def piece(self, x, name, r):
+        """Rank ``r``'s share of ``x @ W.T``: fp32 ``[M, N]`` partial over its K
+        range (row-parallel ``name``), or fp32 ``[M, b - a]`` of its output rows."""
         w = self._weight(name)
         quant = not isinstance(w, np.ndarray)
+        n = self.model.tensors[name].rows
         if name.endswith(ROW_PARALLEL):
-            parts = []
             g = ref.lane_terms(x.shape[1] // (ref.QK if quant else 1))
-            for a, b in k_shards(x.shape[1], quant, self.tp):
-                xs, ws = x[:, a:b], _k_cols(w, a, b)
-                if a == b:                                                  # lanes with no terms hold +0
-                    parts.append(np.zeros((x.shape[0], self.model.tensors[name].rows), np.float32))
-                elif quant:
-                    parts.append(ref.matmul_q(ref.quantize_q8(xs), ws, g, ref.WARP // self.tp))
-                else:
-                    parts.append(ref.matmul_f(xs, ws, g, ref.WARP // self.tp))
-            return ref.subtree_sum(np.stack(parts), 1, self.tp, axis=0)      # all-gather, then the top levels
-        if name == self.model.output.name:
-            spans = self.plan.vocab
-        else:
-            layer, kind = int(name.split(".")[1]), name.split(".")[2]
-            spans = self.plan.column_rows(layer, kind.split("_")[-1], self.hp)
-        out = np.zeros((x.shape[0], self.model.tensors[name].rows), np.float32)
-        xq = ref.quantize_q8(x) if quant else None
-        for a, b in spans:                                                 # each rank: its rows, full K
-            if b > a:
-                out[:, a:b] = ref.matmul_q(xq, _rows(w, a, b)) if quant else ref.matmul_f(x, _rows(w, a, b))
+            a, b = k_shards(x.shape[1], quant, self.tp)[r]
+            if a == b:                                                      # lanes with no terms hold +0
+                return np.zeros((x.shape[0], n), np.float32)
+            xs, ws = x[:, a:b], _k_cols(w, a, b)
+            if quant:
+                return ref.matmul_q(ref.quantize_q8(xs), ws, g, ref.WARP // self.tp)
+            return ref.matmul_f(xs, ws, g, ref.WARP // self.tp)
+        a, b = self._column_spans(name)[r]
+        if b == a:
+            return np.zeros((x.shape[0], 0), np.float32)
+        return ref.matmul_q(ref.quantize_q8(x), _rows(w, a, b)) if quant else ref.matmul_f(x, _rows(w, a, b))
+
+    def assemble(self, name, pieces):
+        """The full product from every rank's :meth:`piece`, in rank order."""
+        if name.endswith(ROW_PARALLEL):
+            return ref.subtree_sum(np.stack(pieces), 1, self.tp, axis=0)      # the tree's top levels
+        out = np.zeros((pieces[0].shape[0], self.model.tensors[name].rows), np.float32)
+        for (a, b), p in zip(self._column_spans(name), pieces):
+            out[:, a:b] = p
         return out

@@ -530,6 +530,8 @@ def test_usage_errors_are_one_line(tmp_path):
     (["--port", "-1"], "--port"),
     (["--max-body-bytes", "-1"], "--max-body-bytes"),
     (["--max-tokens-cap", "0"], "--max-tokens-cap"),
+    (["--tp", "3"], "tensor-parallel degree"),
+    (["--tp", "2", "--device", "cuda"], "--tp runs its ranks on the CPU"),
     (["--data-dir", "WRONG_STORE"], "attestation store"),
     (["--data-dir", "DIR_STORE"], "attestation store"),
     (["--data-dir", "RANDOM_STORE"], "attestation store"),

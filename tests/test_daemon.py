@@ -377,3 +377,22 @@ def test_group_readable_key_refused(key, tmp_path):
                         "--data-dir", str(tmp_path / "d"), "--port", str(free_port())],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "readable by group or others" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="--tp runs its ranks on the CPU")
+def test_serve_with_tp_rank_processes_gives_the_solo_digests(key, tmp_path, solo):
+    """`serve --tp 2`: two rank processes; concurrent requests (greedy, sampled,
+    streamed) get the digests of the one-process engine; SIGTERM stops the ranks."""
+    d = Daemon(key, str(tmp_path / "data"), "--tp", "2", "--max-batch", "8")
+    try:
+        kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(d.proc.pid)], capture_output=True,
+                              text=True).stdout.split()
+        assert len(kids) >= 2, kids                                        # the ranks (and a resource tracker)
+        run_concurrently(d, solo, mixed(6) + [("chat", "Say hi.", 3, 0.8, 5, True)])
+    finally:
+        assert d.stop() == 0
+    assert "tensor parallel: 2 rank processes" in d.proc.stdout.read()
+    end = time.time() + 20
+    while time.time() < end and any(os.path.exists(f"/proc/{pid}") for pid in kids):
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in kids), "rank processes outlived the daemon"

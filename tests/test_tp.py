@@ -3,6 +3,8 @@
 gives the bytes of TP 1, for the default model and synthetic shapes, whatever
 the batching."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -102,3 +104,64 @@ def test_tp_refuses_a_degree_that_splits_a_head(tmp_path):
     for bad in (3, True, 2.0, "2"):
         with pytest.raises(ModelError, match="degree"):
             Engine(model, tp=bad)
+
+
+# ---- ranks as processes (node.tp_runtime) ----------------------------------
+
+def test_tp_processes_bytes_equal_tp1(tmp_path):
+    """TP 2 and 4 as rank processes that all-gather over shared memory give
+    TP 1's bytes, chunked prefill and decode included; a fork is mirrored on
+    every rank."""
+    from node.tp_runtime import TpEngine
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, "Q8_0", seed=7))
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 299, 5, 6]]
+    want = run(Engine(model, n_ctx=256), prompts, [64])
+    for tp, chunks in ((2, [2, 5]), (4, [1, 3])):
+        eng = TpEngine(model, tp, n_ctx=256)
+        try:
+            assert eng.n_ctx == 256
+            for w, g in zip(want, run(eng, prompts, chunks)):
+                assert w.tobytes() == g.tobytes(), f"TP {tp} processes differ from TP 1"
+            a = eng.new_sequence()
+            eng.forward([(a, prompts[0])])
+            b = eng.fork(a, 4)
+            assert (eng.length(a), eng.length(b)) == (7, 4)
+        finally:
+            eng.close()
+
+
+@pytest.mark.default_model
+def test_tp_processes_default_model_and_errors():
+    """The default model at TP 2 in two processes; a bad request fails on every
+    rank alike and the engine keeps serving; a killed rank fails the next
+    call at once (the barrier is aborted) instead of hanging."""
+    from node.errors import BitexactError, RequestError
+    from node.tp_runtime import TpEngine
+    model = load_model(default_model_path())
+    want = run(Engine(model, n_ctx=256), [[1, 504, 3250, 314, 2], [28, 1359]], [64])
+    eng = TpEngine(model, 2, n_ctx=256)
+    try:
+        s = eng.new_sequence()
+        with pytest.raises(RequestError, match="token id"):
+            eng.forward([(s, [model.hparams.n_vocab])])
+        eng.release(s)
+        for w, g in zip(want, run(eng, [[1, 504, 3250, 314, 2], [28, 1359]], [2])):
+            assert w.tobytes() == g.tobytes()
+        s = eng.new_sequence()
+        eng._procs[1].kill()
+        eng._procs[1].join()
+        t0 = time.monotonic()
+        with pytest.raises(BitexactError, match="rank"):     # rank 0 waits at a gather until the abort
+            eng.forward([(s, [1, 2])])
+        assert time.monotonic() - t0 < 60
+    finally:
+        eng.close()
+    with pytest.raises(BitexactError, match="closed"):
+        eng.new_sequence()
+
+
+def test_tp_processes_refuse_a_bad_split_before_starting(tmp_path):
+    from node.tp_runtime import TpEngine
+    model = load_model(write_model(str(tmp_path / "m.gguf"), (256, 1, 4, 2, 512, 50), "BF16", seed=1))
+    with pytest.raises(ModelError, match="split a head"):
+        TpEngine(model, 8)

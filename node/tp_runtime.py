@@ -1,0 +1,217 @@
+"""Tensor-parallel ranks as processes: one process per rank, all-gather over shared memory.
+
+Each rank process loads the model and runs the whole forward pass with a
+:class:`RankBackend`: every product computes only that rank's piece (its rows
+of a column-parallel matrix, or its K range of a row-parallel one, per
+:class:`node.tp.ShardPlan`), all-gathers the other ranks' pieces, and
+assembles the full tensor exactly as :class:`node.tp.TpCpuBackend` does
+(docs/determinism.md section 12: no reduction happens in the collective; the
+row-parallel combine is the contract tree's top levels, computed locally).
+Every rank therefore holds the same activations, and rank 0's logits are the
+step's logits, byte-identical to ``tp = 1``.
+
+:class:`TpEngine` is the parent's handle: it mirrors :class:`node.engine.Engine`
+and forwards each call to every rank. This version runs the ranks on the CPU
+(numpy); GPU ranks would keep the same pieces and assembly, with NCCL's
+all-gather in place of :class:`ShmAllGather`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+from multiprocessing import shared_memory
+from multiprocessing.connection import wait
+
+import numpy as np
+
+from .engine import Engine
+from .errors import BitexactError
+from .gguf_model import Model, load_model
+from .tp import ShardPlan, TpCpuBackend, check_degree
+
+SLOT_FLOATS = 1 << 20   # fp32 values each rank can publish per round (4 MiB)
+BARRIER_TIMEOUT_S = 600.0
+
+
+class ShmAllGather:
+    """All-gather of fp32 ``[M, n_r]`` arrays (one M, any n_r) among ``tp`` processes.
+
+    Rank r owns slot r of one shared-memory block: a 2-int64 header (rows,
+    columns) and ``SLOT_FLOATS`` fp32 values. A round: each rank writes a
+    chunk of its rows, waits at the barrier, copies every slot, waits again
+    (so no slot is overwritten while read). Chunks hold ``SLOT_FLOATS //
+    max_cols`` rows, the same number on every rank. Raises
+    ``threading.BrokenBarrierError`` when another rank fails or times out.
+    """
+
+    def __init__(self, shm_name: str, barrier, tp: int, rank: int, max_cols: int):
+        self.shm = shared_memory.SharedMemory(name=shm_name)
+        self.barrier, self.tp, self.rank = barrier, tp, rank
+        self.rows = max(1, SLOT_FLOATS // max_cols)
+        slot = 16 + 4 * SLOT_FLOATS
+        self.heads = [np.ndarray((2,), np.int64, self.shm.buf, r * slot) for r in range(tp)]
+        self.data = [np.ndarray((SLOT_FLOATS,), np.float32, self.shm.buf, r * slot + 16) for r in range(tp)]
+
+    def all_gather(self, a: np.ndarray) -> list[np.ndarray]:
+        """Every rank's array, in rank order (this rank's ``a`` among them)."""
+        m = a.shape[0]
+        parts: list[list[np.ndarray]] = [[] for _ in range(self.tp)]
+        for r0 in range(0, m, self.rows):
+            chunk = np.ascontiguousarray(a[r0:r0 + self.rows], np.float32)
+            self.heads[self.rank][:] = chunk.shape
+            self.data[self.rank][:chunk.size] = chunk.reshape(-1)
+            self.barrier.wait(BARRIER_TIMEOUT_S)
+            for r in range(self.tp):
+                rows, cols = (int(v) for v in self.heads[r])
+                parts[r].append(self.data[r][:rows * cols].reshape(rows, cols).copy())
+            self.barrier.wait(BARRIER_TIMEOUT_S)
+        return [np.concatenate(p) for p in parts]
+
+    def close(self) -> None:
+        self.heads = self.data = None
+        self.shm.close()
+
+
+class RankBackend(TpCpuBackend):
+    """The numpy backend of one rank: its own pieces, the others' by all-gather."""
+
+    def __init__(self, model: Model, tp: int, rank: int, gather: ShmAllGather):
+        super().__init__(model, tp)
+        self.rank, self.gather = rank, gather
+
+    def linears(self, x, names):
+        return [self.assemble(name, self.gather.all_gather(self.piece(x, name, self.rank))) for name in names]
+
+
+def _max_cols(model: Model) -> int:
+    """Widest piece any rank can publish: the most rows of any matrix."""
+    return max(t.rows for t in model.tensors.values() if t.rows > 1)
+
+
+def _rank_main(path: str, tp: int, rank: int, n_ctx, shm_name: str, barrier, conn) -> None:
+    """A rank process: build the rank's engine, then serve (method, args) calls until ``None``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)                  # the parent handles Ctrl-C and stops us
+    try:
+        model = load_model(path)
+        gather = ShmAllGather(shm_name, barrier, tp, rank, _max_cols(model))
+        eng = Engine(model, "cpu", n_ctx, backend=RankBackend(model, tp, rank, gather))
+        conn.send(("ok", eng.n_ctx))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("err", e if isinstance(e, BitexactError) else BitexactError(f"rank {rank}: {e}")))
+        return
+    while (msg := conn.recv()) is not None:
+        method, args = msg
+        try:
+            out = getattr(eng, method)(*args)
+            conn.send(("ok", out if rank == 0 else None))
+        except BitexactError as e:
+            conn.send(("err", e))
+        except Exception as e:  # noqa: BLE001 - a broken barrier or a bug: the step fails, the parent says why
+            conn.send(("err", BitexactError(f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}")))
+    gather.close()
+
+
+class TpEngine:
+    """:class:`node.engine.Engine` run as ``tp`` rank processes on the CPU.
+
+    Same interface and bytes as ``Engine(model, "cpu", n_ctx)``; ``tp`` is 2,
+    4 or 8 and must split the model's heads (:class:`node.tp.ShardPlan`).
+    Raises :class:`ModelError` for a bad degree, the first rank's error when
+    a rank cannot start, and, from each call, the error the ranks raised.
+    Call :meth:`close` to stop the ranks (they are daemonic, so they also end
+    with the parent).
+    """
+
+    device = "cpu"
+
+    def __init__(self, model: Model, tp: int, n_ctx: int | None = None):
+        check_degree(tp)
+        ShardPlan(model, tp)                                     # refuse a bad split before starting processes
+        self.model, self.hp, self.tp = model, model.hparams, tp
+        ctx = mp.get_context("spawn")
+        self._shm = shared_memory.SharedMemory(create=True, size=tp * (16 + 4 * SLOT_FLOATS))
+        barrier = self._barrier = ctx.Barrier(tp)
+        self._conns, self._procs = [], []
+        for rank in range(tp):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_rank_main, name=f"bitexact-tp{rank}", daemon=True,
+                            args=(model.path, tp, rank, n_ctx, self._shm.name, barrier, child))
+            p.start()
+            self._conns.append(parent)
+            self._procs.append(p)
+        try:
+            self.n_ctx = self._replies()
+        except BaseException:
+            self.close()
+            raise
+
+    def _replies(self):
+        """Every rank's reply to the last message; rank 0's result, or the first error.
+
+        A rank that dies aborts the barrier, so the others fail at their next
+        gather instead of waiting; the engine is unusable after that.
+        """
+        replies: dict[int, tuple] = {}
+        while len(replies) < self.tp:
+            pending = {r: (self._conns[r], self._procs[r].sentinel) for r in range(self.tp) if r not in replies}
+            ready = set(wait([h for pair in pending.values() for h in pair]))
+            for rank, (conn, sentinel) in pending.items():
+                if conn in ready:
+                    try:
+                        replies[rank] = conn.recv()
+                        continue
+                    except EOFError:
+                        pass
+                elif sentinel not in ready:
+                    continue
+                replies[rank] = ("err", BitexactError(f"tensor-parallel rank {rank} exited"))
+                self._barrier.abort()
+        err = next((replies[r][1] for r in range(self.tp) if replies[r][0] == "err"), None)
+        if err is not None:
+            raise err
+        return replies[0][1]
+
+    def _call(self, method: str, *args):
+        if not self._conns:
+            raise BitexactError("this tensor-parallel engine is closed")
+        for conn in self._conns:
+            try:
+                conn.send((method, args))
+            except OSError:                      # a dead rank: _replies reports it
+                pass
+        return self._replies()
+
+    def new_sequence(self) -> int:
+        return self._call("new_sequence")
+
+    def fork(self, src: int, n_tokens: int) -> int:
+        return self._call("fork", src, n_tokens)
+
+    def release(self, seq: int) -> None:
+        self._call("release", seq)
+
+    def length(self, seq: int) -> int:
+        return self._call("length", seq)
+
+    def forward(self, chunks, all_logits: bool = False) -> list[np.ndarray]:
+        """:meth:`node.engine.Engine.forward` on every rank; rank 0's logits."""
+        return self._call("forward", [(s, list(t)) for s, t in chunks], all_logits)
+
+    def close(self) -> None:
+        """Stop the rank processes and free the shared memory (idempotent)."""
+        for conn, p in zip(self._conns, self._procs):
+            if p.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for p in self._procs:
+            p.join(10)
+            if p.is_alive():
+                p.terminate()
+        self._conns, self._procs = [], []
+        if self._shm is not None:
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
