@@ -130,25 +130,37 @@ class TpCpuBackend(CpuBackend):
         layer, kind = int(name.split(".")[1]), name.split(".")[2]
         return self.plan.column_rows(layer, kind.split("_")[-1], self.hp)
 
+    def _span(self, name, r):
+        """Rank ``r``'s K range ``[a, b)`` (elements) of row-parallel ``name``, or its output rows."""
+        t = self.model.tensors[name]
+        if name.endswith(ROW_PARALLEL):
+            return k_shards(t.cols, t.qtype not in FLOAT_TYPES, self.tp)[r]
+        return self._column_spans(name)[r]
+
+    def _shard(self, name, r):
+        """Rank ``r``'s part of weight ``name`` (a view of the whole decoded matrix)."""
+        a, b = self._span(name, r)
+        w = self._weight(name)
+        return _k_cols(w, a, b) if name.endswith(ROW_PARALLEL) else _rows(w, a, b)
+
     def piece(self, x, name, r):
         """Rank ``r``'s share of ``x @ W.T``: fp32 ``[M, N]`` partial over its K
         range (row-parallel ``name``), or fp32 ``[M, b - a]`` of its output rows."""
-        w = self._weight(name)
-        quant = not isinstance(w, np.ndarray)
-        n = self.model.tensors[name].rows
+        t = self.model.tensors[name]
+        quant = t.qtype not in FLOAT_TYPES
+        a, b = self._span(name, r)
         if name.endswith(ROW_PARALLEL):
-            g = ref.lane_terms(x.shape[1] // (ref.QK if quant else 1))
-            a, b = k_shards(x.shape[1], quant, self.tp)[r]
             if a == b:                                                      # lanes with no terms hold +0
-                return np.zeros((x.shape[0], n), np.float32)
-            xs, ws = x[:, a:b], _k_cols(w, a, b)
+                return np.zeros((x.shape[0], t.rows), np.float32)
+            g = ref.lane_terms(x.shape[1] // (ref.QK if quant else 1))
+            xs, ws = x[:, a:b], self._shard(name, r)
             if quant:
                 return ref.matmul_q(ref.quantize_q8(xs), ws, g, ref.WARP // self.tp)
             return ref.matmul_f(xs, ws, g, ref.WARP // self.tp)
-        a, b = self._column_spans(name)[r]
         if b == a:
             return np.zeros((x.shape[0], 0), np.float32)
-        return ref.matmul_q(ref.quantize_q8(x), _rows(w, a, b)) if quant else ref.matmul_f(x, _rows(w, a, b))
+        ws = self._shard(name, r)
+        return ref.matmul_q(ref.quantize_q8(x), ws) if quant else ref.matmul_f(x, ws)
 
     def assemble(self, name, pieces):
         """The full product from every rank's :meth:`piece`, in rank order."""

@@ -74,11 +74,30 @@ class ShmAllGather:
 
 
 class RankBackend(TpCpuBackend):
-    """The numpy backend of one rank: its own pieces, the others' by all-gather."""
+    """The numpy backend of one rank: its own pieces, the others' by all-gather.
+
+    It keeps only its own shard of each matrix (decoded once, copied out of
+    the whole decoded matrix, which is then dropped), so a rank's weights
+    take about ``1/tp`` of the model's decoded size.
+    """
 
     def __init__(self, model: Model, tp: int, rank: int, gather: ShmAllGather):
         super().__init__(model, tp)
         self.rank, self.gather = rank, gather
+        self._own: dict[str, object] = {}
+
+    def _shard(self, name, r):
+        w = self._own.get(name)
+        if w is None:
+            w = super()._shard(name, r)
+            if isinstance(w, np.ndarray):
+                w = w.copy()
+            else:
+                w.codes, w.scale = w.codes.copy(), w.scale.copy()
+                w.offset = None if w.offset is None else w.offset.copy()
+            self._own[name] = w
+            self._weights.pop(name, None)
+        return w
 
     def linears(self, x, names):
         return [self.assemble(name, self.gather.all_gather(self.piece(x, name, self.rank))) for name in names]
