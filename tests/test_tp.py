@@ -132,20 +132,24 @@ def test_tp_processes_bytes_equal_tp1(tmp_path):
 
 @pytest.mark.default_model
 def test_tp_processes_default_model_and_errors():
-    """The default model at TP 2 in two processes; a bad request fails on every
-    rank alike and the engine keeps serving; a killed rank fails the next
-    call at once (the barrier is aborted) instead of hanging."""
+    """The default model at TP 2 in two processes, with a 60-token chunk (its
+    gathers take several shared-memory rounds: 49152-row LM head, 21 rows per
+    round); a bad request fails on every rank alike and the engine keeps
+    serving; a killed rank fails the next call at once (the barrier is
+    aborted) instead of hanging."""
     from node.errors import BitexactError, RequestError
-    from node.tp_runtime import TpEngine
+    from node.tp_runtime import SLOT_FLOATS, TpEngine
     model = load_model(default_model_path())
-    want = run(Engine(model, n_ctx=256), [[1, 504, 3250, 314, 2], [28, 1359]], [64])
+    prompts = [[1, 504, 3250, 314, 2], [(7 * i + 28) % 9000 for i in range(60)]]
+    assert 60 > SLOT_FLOATS // model.hparams.n_vocab
+    want = run(Engine(model, n_ctx=256), prompts, [64])
     eng = TpEngine(model, 2, n_ctx=256)
     try:
         s = eng.new_sequence()
         with pytest.raises(RequestError, match="token id"):
             eng.forward([(s, [model.hparams.n_vocab])])
         eng.release(s)
-        for w, g in zip(want, run(eng, [[1, 504, 3250, 314, 2], [28, 1359]], [2])):
+        for w, g in zip(want, run(eng, prompts, [2, 60])):
             assert w.tobytes() == g.tobytes()
         s = eng.new_sequence()
         eng._procs[1].kill()
