@@ -31,27 +31,59 @@ from .gguf_model import Model, load_model
 from .tp import ShardPlan, TpCpuBackend, check_degree
 
 SLOT_FLOATS = 1 << 20   # fp32 values each rank can publish per round (4 MiB)
-BARRIER_TIMEOUT_S = 600.0
+POLL_S = 0.05           # how often a rank waiting at a gather looks at the abort flag
+HEADER = 8              # bytes before the slots: the abort flag (int64)
+
+
+class GatherAborted(RuntimeError):
+    """Another rank failed or died while this one waited at a gather."""
+
+
+def shm_size(tp: int) -> int:
+    return HEADER + tp * (16 + 4 * SLOT_FLOATS)
 
 
 class ShmAllGather:
     """All-gather of fp32 ``[M, n_r]`` arrays (one M, any n_r) among ``tp`` processes.
 
-    Rank r owns slot r of one shared-memory block: a 2-int64 header (rows,
-    columns) and ``SLOT_FLOATS`` fp32 values. A round: each rank writes a
-    chunk of its rows, waits at the barrier, copies every slot, waits again
-    (so no slot is overwritten while read). Chunks hold ``SLOT_FLOATS //
-    max_cols`` rows, the same number on every rank. Raises
-    ``threading.BrokenBarrierError`` when another rank fails or times out.
+    The shared-memory block holds an abort flag, then one slot per rank: a
+    2-int64 header (rows, columns) and ``SLOT_FLOATS`` fp32 values. A round:
+    each rank writes a chunk of its rows, passes the barrier, copies every
+    slot, passes the barrier again (so no slot is overwritten while read).
+    Chunks hold ``SLOT_FLOATS // max_cols`` rows, the same number on every rank.
+
+    The barrier holds no lock, so a rank that dies cannot wedge the others:
+    rank r has a counting semaphore; arriving, a rank posts once to every
+    other rank's semaphore and then takes ``tp - 1`` posts from its own. A
+    post for a later barrier implies its sender passed this one, hence that
+    everyone arrived, so the counts never mix generations wrongly; semaphores
+    also order the slot writes before the reads. While waiting a rank polls the
+    abort flag (set by the parent when a rank dies, or by a rank that fails)
+    and raises :class:`GatherAborted`.
     """
 
-    def __init__(self, shm_name: str, barrier, tp: int, rank: int, max_cols: int):
+    def __init__(self, shm_name: str, sems, tp: int, rank: int, max_cols: int):
         self.shm = shared_memory.SharedMemory(name=shm_name)
-        self.barrier, self.tp, self.rank = barrier, tp, rank
+        self.sems, self.tp, self.rank = sems, tp, rank
         self.rows = max(1, SLOT_FLOATS // max_cols)
         slot = 16 + 4 * SLOT_FLOATS
-        self.heads = [np.ndarray((2,), np.int64, self.shm.buf, r * slot) for r in range(tp)]
-        self.data = [np.ndarray((SLOT_FLOATS,), np.float32, self.shm.buf, r * slot + 16) for r in range(tp)]
+        self.flag = np.ndarray((1,), np.int64, self.shm.buf, 0)
+        self.heads = [np.ndarray((2,), np.int64, self.shm.buf, HEADER + r * slot) for r in range(tp)]
+        self.data = [np.ndarray((SLOT_FLOATS,), np.float32, self.shm.buf, HEADER + r * slot + 16)
+                     for r in range(tp)]
+
+    def abort(self) -> None:
+        """Make every rank waiting at a gather (now or later) raise :class:`GatherAborted`."""
+        self.flag[0] = 1
+
+    def _barrier(self) -> None:
+        for r in range(self.tp):
+            if r != self.rank:
+                self.sems[r].release()
+        for _ in range(self.tp - 1):
+            while not self.sems[self.rank].acquire(timeout=POLL_S):
+                if self.flag[0]:
+                    raise GatherAborted("another tensor-parallel rank failed during a gather")
 
     def all_gather(self, a: np.ndarray) -> list[np.ndarray]:
         """Every rank's array, in rank order (this rank's ``a`` among them)."""
@@ -61,15 +93,15 @@ class ShmAllGather:
             chunk = np.ascontiguousarray(a[r0:r0 + self.rows], np.float32)
             self.heads[self.rank][:] = chunk.shape
             self.data[self.rank][:chunk.size] = chunk.reshape(-1)
-            self.barrier.wait(BARRIER_TIMEOUT_S)
+            self._barrier()
             for r in range(self.tp):
                 rows, cols = (int(v) for v in self.heads[r])
                 parts[r].append(self.data[r][:rows * cols].reshape(rows, cols).copy())
-            self.barrier.wait(BARRIER_TIMEOUT_S)
+            self._barrier()
         return [np.concatenate(p) for p in parts]
 
     def close(self) -> None:
-        self.heads = self.data = None
+        self.flag = self.heads = self.data = None
         self.shm.close()
 
 
@@ -108,26 +140,41 @@ def _max_cols(model: Model) -> int:
     return max(t.rows for t in model.tensors.values() if t.rows > 1)
 
 
-def _rank_main(path: str, tp: int, rank: int, n_ctx, shm_name: str, barrier, conn) -> None:
-    """A rank process: build the rank's engine, then serve (method, args) calls until ``None``."""
+def _rank_main(path: str, tp: int, rank: int, n_ctx, shm_name: str, sems, conn) -> None:
+    """A rank process: build the rank's engine, then serve (method, args) calls until ``None``.
+
+    Replies: ``("ok", result)`` (rank 0's result; others send ``None``),
+    ``("err", e)`` for a request error (every rank raises it alike, before any
+    gather), ``("fault", e)`` for anything else; a rank that faults sets the
+    abort flag first, so the others stop waiting for it.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)                  # the parent handles Ctrl-C and stops us
     try:
         model = load_model(path)
-        gather = ShmAllGather(shm_name, barrier, tp, rank, _max_cols(model))
+        gather = ShmAllGather(shm_name, sems, tp, rank, _max_cols(model))
         eng = Engine(model, "cpu", n_ctx, backend=RankBackend(model, tp, rank, gather))
         conn.send(("ok", eng.n_ctx))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("err", e if isinstance(e, BitexactError) else BitexactError(f"rank {rank}: {e}")))
         return
-    while (msg := conn.recv()) is not None:
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:                                          # the parent is gone
+            break
+        if msg is None:
+            break
         method, args = msg
         try:
             out = getattr(eng, method)(*args)
             conn.send(("ok", out if rank == 0 else None))
         except BitexactError as e:
             conn.send(("err", e))
-        except Exception as e:  # noqa: BLE001 - a broken barrier or a bug: the step fails, the parent says why
-            conn.send(("err", BitexactError(f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}")))
+        except GatherAborted as e:
+            conn.send(("fault", BitexactError(f"tensor-parallel rank {rank}: {e}")))
+        except Exception as e:  # noqa: BLE001 - a bug or out of memory on this rank only
+            gather.abort()
+            conn.send(("fault", BitexactError(f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}")))
     gather.close()
 
 
@@ -136,10 +183,13 @@ class TpEngine:
 
     Same interface and bytes as ``Engine(model, "cpu", n_ctx)``; ``tp`` is 2,
     4 or 8 and must split the model's heads (:class:`node.tp.ShardPlan`).
-    Raises :class:`ModelError` for a bad degree, the first rank's error when
-    a rank cannot start, and, from each call, the error the ranks raised.
-    Call :meth:`close` to stop the ranks (they are daemonic, so they also end
-    with the parent).
+    Raises :class:`ModelError` for a bad degree and the first rank's error
+    when a rank cannot start. A call raises the request error the ranks
+    raised alike (the engine stays usable); if a rank dies or faults, the
+    ranks disagree, or the caller is interrupted while ranks work, the call
+    raises :class:`BitexactError` and the engine is broken: every later
+    call raises too (restart it). Call :meth:`close` to stop the ranks (they
+    are daemonic, so they also end with the parent).
     """
 
     device = "cpu"
@@ -148,14 +198,17 @@ class TpEngine:
         check_degree(tp)
         ShardPlan(model, tp)                                     # refuse a bad split before starting processes
         self.model, self.hp, self.tp = model, model.hparams, tp
+        self._broken: str | None = None
         ctx = mp.get_context("spawn")
-        self._shm = shared_memory.SharedMemory(create=True, size=tp * (16 + 4 * SLOT_FLOATS))
-        barrier = self._barrier = ctx.Barrier(tp)
+        self._shm = shared_memory.SharedMemory(create=True, size=shm_size(tp))
+        self._flag = np.ndarray((1,), np.int64, self._shm.buf, 0)
+        self._flag[0] = 0
+        sems = [ctx.Semaphore(0) for _ in range(tp)]
         self._conns, self._procs = [], []
         for rank in range(tp):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_rank_main, name=f"bitexact-tp{rank}", daemon=True,
-                            args=(model.path, tp, rank, n_ctx, self._shm.name, barrier, child))
+                            args=(model.path, tp, rank, n_ctx, self._shm.name, sems, child))
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
@@ -165,35 +218,52 @@ class TpEngine:
             self.close()
             raise
 
-    def _replies(self):
-        """Every rank's reply to the last message; rank 0's result, or the first error.
+    def _break(self, why: str) -> BitexactError:
+        """Mark the engine broken (and free ranks waiting at a gather); the error to raise."""
+        self._broken = why
+        if self._flag is not None:
+            self._flag[0] = 1
+        return BitexactError(f"{why}; the tensor-parallel engine must be restarted")
 
-        A rank that dies aborts the barrier, so the others fail at their next
-        gather instead of waiting; the engine is unusable after that.
-        """
+    def _replies(self):
+        """Every rank's reply to the last message: rank 0's result, the request
+        error all ranks raised, or a fault that breaks the engine."""
         replies: dict[int, tuple] = {}
-        while len(replies) < self.tp:
-            pending = {r: (self._conns[r], self._procs[r].sentinel) for r in range(self.tp) if r not in replies}
-            ready = set(wait([h for pair in pending.values() for h in pair]))
-            for rank, (conn, sentinel) in pending.items():
-                if conn in ready:
-                    try:
-                        replies[rank] = conn.recv()
+        try:
+            while len(replies) < self.tp:
+                pending = {r: (self._conns[r], self._procs[r].sentinel) for r in range(self.tp) if r not in replies}
+                ready = set(wait([h for pair in pending.values() for h in pair]))
+                for rank, (conn, sentinel) in pending.items():
+                    if conn in ready:
+                        try:
+                            replies[rank] = conn.recv()
+                            continue
+                        except EOFError:
+                            pass
+                    elif sentinel not in ready:
                         continue
-                    except EOFError:
-                        pass
-                elif sentinel not in ready:
-                    continue
-                replies[rank] = ("err", BitexactError(f"tensor-parallel rank {rank} exited"))
-                self._barrier.abort()
-        err = next((replies[r][1] for r in range(self.tp) if replies[r][0] == "err"), None)
-        if err is not None:
-            raise err
+                    replies[rank] = ("dead", None)
+                    self._flag[0] = 1                                # ranks waiting for it stop waiting
+        except BaseException:                                   # e.g. KeyboardInterrupt: replies left in the pipes
+            self._break("interrupted while the ranks were working")
+            raise
+        kinds = [replies[r][0] for r in range(self.tp)]
+        if "dead" in kinds:
+            raise self._break(f"tensor-parallel rank {kinds.index('dead')} exited")
+        if "fault" in kinds:
+            raise self._break(str(next(replies[r][1] for r in range(self.tp) if kinds[r] == "fault")))
+        if "err" in kinds:
+            errs = {(type(replies[r][1]), str(replies[r][1])) for r in range(self.tp)}
+            if "ok" in kinds or len(errs) != 1:
+                raise self._break(f"the tensor-parallel ranks disagree: {sorted(str(e[1]) for e in errs)}")
+            raise replies[0][1]
         return replies[0][1]
 
     def _call(self, method: str, *args):
         if not self._conns:
             raise BitexactError("this tensor-parallel engine is closed")
+        if self._broken:
+            raise BitexactError(f"{self._broken}; the tensor-parallel engine must be restarted")
         for conn in self._conns:
             try:
                 conn.send((method, args))
@@ -219,18 +289,22 @@ class TpEngine:
 
     def close(self) -> None:
         """Stop the rank processes and free the shared memory (idempotent)."""
+        if self._flag is not None and self._broken:
+            self._flag[0] = 1
         for conn, p in zip(self._conns, self._procs):
             if p.is_alive():
                 try:
                     conn.send(None)
-                except (BrokenPipeError, OSError):
+                except OSError:
                     pass
         for p in self._procs:
             p.join(10)
             if p.is_alive():
                 p.terminate()
+                p.join()
         self._conns, self._procs = [], []
         if self._shm is not None:
+            self._flag = None
             self._shm.close()
             self._shm.unlink()
             self._shm = None

@@ -169,3 +169,75 @@ def test_tp_processes_refuse_a_bad_split_before_starting(tmp_path):
     model = load_model(write_model(str(tmp_path / "m.gguf"), (256, 1, 4, 2, 512, 50), "BF16", seed=1))
     with pytest.raises(ModelError, match="split a head"):
         TpEngine(model, 8)
+
+
+class _Alarm(Exception):
+    pass
+
+
+@pytest.mark.default_model
+def test_tp_processes_break_cleanly_on_a_mid_gather_death_or_interrupt():
+    """A rank killed while a long step runs (the other rank then waits at a
+    gather), a fault on the ranks, or the caller interrupted mid-call: the
+    call fails within seconds, every later call says the engine must be
+    restarted (never a stale result), and close() still stops every rank."""
+    import signal
+    import threading
+
+    from node.errors import BitexactError
+    from node.tp_runtime import TpEngine
+    model = load_model(default_model_path())
+    prompt = [(7 * i + 28) % 9000 for i in range(200)]
+
+    def broken_after(eng, action):
+        s = eng.new_sequence()
+        result = {}
+
+        def call():
+            try:
+                eng.forward([(s, prompt)])
+            except BaseException as e:  # noqa: BLE001 - the test inspects it
+                result["error"] = e
+        t0 = time.monotonic()
+        action(eng, call)
+        assert time.monotonic() - t0 < 60, "the failed call hung"
+        with pytest.raises(BitexactError, match="must be restarted"):
+            eng.new_sequence()
+        return result
+
+    def kill_rank_mid_step(eng, call):
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(1.0)
+        eng._procs[1].kill()
+        t.join(60)
+        assert not t.is_alive()
+
+    def interrupt_mid_step(eng, call):
+        def on_alarm(*_):
+            raise _Alarm()
+        old = signal.signal(signal.SIGALRM, on_alarm)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 1.0)
+            call()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+
+    for action, want in ((kill_rank_mid_step, BitexactError), (interrupt_mid_step, _Alarm)):
+        eng = TpEngine(model, 2, n_ctx=512)
+        procs = list(eng._procs)
+        try:
+            assert isinstance(broken_after(eng, action).get("error"), want)
+        finally:
+            eng.close()
+        assert not any(p.is_alive() for p in procs)
+
+    eng = TpEngine(model, 2, n_ctx=512)
+    try:
+        with pytest.raises(BitexactError, match="KeyError"):             # not a request error: a fault
+            eng.length(12345)
+        with pytest.raises(BitexactError, match="must be restarted"):
+            eng.new_sequence()
+    finally:
+        eng.close()
