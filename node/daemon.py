@@ -319,6 +319,8 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
                                                               "created": 0, "owned_by": "bitexact"}]})
 
     async def health(request):
+        if node.engine.broken:                       # a tensor-parallel rank died: requests fail until restart
+            return web.json_response({"status": "broken", "reason": node.engine.broken}, status=503)
         return web.json_response({"status": "ok", "active": node.scheduler.active,
                                   "queue_depth": node.scheduler.queue_depth})
 

@@ -35,6 +35,8 @@ class Engine:
     is not 1, 2, 4 or 8 or that the model's heads cannot be split by.
     """
 
+    broken = None  # one process: a fault fails its step only (node.tp_runtime.TpEngine can break)
+
     def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None, tp: int = 1, backend=None,
                  **cuda_opts):
         self.model = model

@@ -218,6 +218,11 @@ class TpEngine:
             self.close()
             raise
 
+    @property
+    def broken(self) -> str | None:
+        """Why the engine is broken (a rank died or faulted), or ``None``."""
+        return self._broken
+
     def _break(self, why: str) -> BitexactError:
         """Mark the engine broken (and free ranks waiting at a gather); the error to raise."""
         self._broken = why

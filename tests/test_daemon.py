@@ -389,6 +389,13 @@ def test_serve_with_tp_rank_processes_gives_the_solo_digests(key, tmp_path, solo
                               text=True).stdout.split()
         assert len(kids) >= 2, kids                                        # the ranks (and a resource tracker)
         run_concurrently(d, solo, mixed(6) + [("chat", "Say hi.", 3, 0.8, 5, True)])
+        ranks = [p for p in kids if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()]
+        os.kill(int(ranks[-1]), signal.SIGKILL)                            # a rank dies: the node says so
+        code, err = d.post_raw("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 1}).encode())
+        assert code == 500 and "restarted" in err["error"]["message"], err
+        with pytest.raises(urllib.error.HTTPError) as e:
+            d.get("/health")
+        assert e.value.code == 503 and json.loads(e.value.read())["status"] == "broken"
     finally:
         assert d.stop() == 0
     assert "tensor parallel: 2 rank processes" in d.proc.stdout.read()
