@@ -63,7 +63,10 @@ def _cupy():
         raise GpuError(f"no usable CUDA GPU: {e}") from None
 
 
-def _nvrtc_compile(name: str, src: str, header: str) -> bytes:
+def _nvrtc_compile(name: str, src: str, header: str, options: tuple = COMPILE_OPTIONS) -> bytes:
+    """cubin of ``src`` (``common.cuh`` = ``header``) compiled by NVRTC with
+    ``options`` (the node always uses the pinned :data:`COMPILE_OPTIONS`).
+    Raises :class:`GpuError` with the first error line of the compile log."""
     try:
         from cuda.bindings import nvrtc
     except ImportError:
@@ -73,7 +76,7 @@ def _nvrtc_compile(name: str, src: str, header: str) -> bytes:
     if err != ok:
         raise GpuError(f"NVRTC could not create program {name}: {err}")
     try:
-        opts = [o.encode() for o in COMPILE_OPTIONS]
+        opts = [o.encode() for o in options]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if err != ok:
             _, size = nvrtc.nvrtcGetProgramLogSize(prog)

@@ -252,3 +252,10 @@ class RefQuantWeight:
         sub.codes, sub.scale = self.codes[blocks, :, rows], self.scale[blocks, rows]
         sub.offset = None if self.offset is None else self.offset[blocks, rows]
         return sub
+
+    def copy(self) -> "RefQuantWeight":
+        """A copy owning its arrays (like ``ndarray.copy``), e.g. of a :meth:`part` view."""
+        sub = self.part()
+        sub.codes, sub.scale = sub.codes.copy(), sub.scale.copy()
+        sub.offset = None if sub.offset is None else sub.offset.copy()
+        return sub

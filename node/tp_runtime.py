@@ -121,13 +121,7 @@ class RankBackend(TpCpuBackend):
     def _shard(self, name, r):
         w = self._own.get(name)
         if w is None:
-            w = super()._shard(name, r)
-            if isinstance(w, np.ndarray):
-                w = w.copy()
-            else:
-                w.codes, w.scale = w.codes.copy(), w.scale.copy()
-                w.offset = None if w.offset is None else w.offset.copy()
-            self._own[name] = w
+            w = self._own[name] = super()._shard(name, r).copy()   # ndarray or RefQuantWeight
             self._weights.pop(name, None)
         return w
 

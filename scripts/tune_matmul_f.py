@@ -34,12 +34,7 @@ def compile_variant(cp, defines: list[str]):
     root = bc.ROOT
     src = open(os.path.join(root, "cuda", "matmul.cu")).read()
     hdr = open(os.path.join(root, "cuda", "common.cuh")).read()
-    old = bc.COMPILE_OPTIONS
-    bc.COMPILE_OPTIONS = tuple(old) + tuple(defines)
-    try:
-        cubin = bc._nvrtc_compile("matmul.cu", src, hdr)
-    finally:
-        bc.COMPILE_OPTIONS = old
+    cubin = bc._nvrtc_compile("matmul.cu", src, hdr, bc.COMPILE_OPTIONS + tuple(defines))
     path = f"/tmp/tune-{hashlib.sha256(' '.join(defines).encode()).hexdigest()[:12]}.cubin"
     with open(path, "wb") as f:
         f.write(cubin)

@@ -552,7 +552,6 @@ def test_serve_rejects_bad_options_and_foreign_stores(art, tmp_path, args, needl
     assert needle in assert_input_error(p)
 
 
-
 def test_serve_on_a_busy_port_fails_cleanly_without_a_banner(art, tmp_path):
     import socket
     with socket.socket() as s:
