@@ -27,6 +27,18 @@ __device__ __forceinline__ float bx_butterfly(float v) {
     return v;
 }
 
+// The lowest log2(lanes) levels of that butterfly (offsets 1 .. lanes/2):
+// aligned groups of `lanes` lanes each reduce to their subtree of the contract
+// tree (a tensor-parallel shard, docs/determinism.md section 12). lanes is a
+// power of two <= 32, uniform per warp; lanes = 32 is bx_butterfly.
+// Twin: node/reference.py subtree_sum.
+__device__ __forceinline__ float bx_butterfly_lanes(float v, int lanes) {
+#pragma unroll
+    for (int off = 1; off < BX_WARP; off <<= 1)
+        if (off < lanes) v = __fadd_rn(v, __shfl_xor_sync(BX_FULL, v, off));
+    return v;
+}
+
 // The same tree computed by one thread over 32 lane values p[0..31]
 // (((p0+p1)+(p2+p3))+...), identical to bx_butterfly's result.
 __device__ __forceinline__ float bx_tree32(float* p) {

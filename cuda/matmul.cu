@@ -38,6 +38,11 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 // order, then the xor-butterfly: the contract's warp_sum over blocks. Up to
 // three matrices with the same K (Q/K/V, gate/up) in one launch, rows
 // concatenated; grid x walks token tiles so a row's tiles run together.
+// A tensor-parallel shard of K (docs/determinism.md section 12) is computed
+// by sub-warps of `lanes` lanes, 32/lanes rows per warp: sub-lane l adds the
+// shard's blocks l*g .. l*g+g-1 (of nbs; the weight rows hold the shard only,
+// from block b_off of their first super-block, and x's block is blk0 + b),
+// then the lowest log2(lanes) butterfly levels give the shard's partial.
 #define MQ_TM 8
 
 // Decode weight block b of a row into 8 words of four int8 codes, the scale s,
@@ -99,54 +104,59 @@ extern "C" __global__ void matmul_q(const unsigned char* __restrict__ W0, const 
                                     float* __restrict__ y1, float* __restrict__ y2, int N0, int N1, int N2,
                                     int qt0, int qt1, int qt2, int rb0, int rb1, int rb2,
                                     const signed char* __restrict__ xq, const float* __restrict__ xd,
-                                    const int* __restrict__ xa, int M, int K) {
+                                    const int* __restrict__ xa, int M, int K, int g, int lanes, int blk0,
+                                    int b_off, int nbs) {
     int lane = threadIdx.x & 31;
-    int n = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int per = 32 / lanes, sub = lane / lanes, l = lane & (lanes - 1);  // rows per warp, sub-warp, sub-lane
+    int w = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int w0 = (N0 + per - 1) / per, w1 = (N1 + per - 1) / per, w2 = (N2 + per - 1) / per;
     const unsigned char* W = W0;
     float* y = y0;
     int N = N0, qtype = qt0, row_bytes = rb0;
-    if (n >= N0) {
-        n -= N0;
+    if (w >= w0) {
+        w -= w0;
         W = W1; y = y1; N = N1; qtype = qt1; row_bytes = rb1;
-        if (n >= N1) {
-            n -= N1;
+        if (w >= w1) {
+            w -= w1;
             W = W2; y = y2; N = N2; qtype = qt2; row_bytes = rb2;
-            if (n >= N2) return;  // uniform per warp
+            if (w >= w2) return;  // uniform per warp
         }
     }
+    int n = w * per + sub;
+    bool live = n < N;  // a sub-warp past the last row reads row N-1 and writes nothing
     int nb = K >> 5;
-    int g = (nb + 31) >> 5;
     int m0 = blockIdx.x * MQ_TM;
     bool asym = qtype == BX_Q4_1 || qtype == BX_Q4_K;
-    const unsigned char* row = W + (size_t)n * row_bytes;
+    const unsigned char* row = W + (size_t)min(n, N - 1) * row_bytes;
     float acc[MQ_TM];
 #pragma unroll
     for (int t = 0; t < MQ_TM; ++t) acc[t] = 0.0f;
     for (int j = 0; j < g; ++j) {
-        int b = lane * g + j;
-        if (b >= nb) break;
+        int b = l * g + j;
+        if (b >= nbs) break;
         int codes[8], sca, scb;
         float s, o;
-        bx_load_block(row, qtype, b, codes, &s, &o, &sca, &scb);
+        bx_load_block(row, qtype, b + b_off, codes, &s, &o, &sca, &scb);
+        int xb = blk0 + b;
 #pragma unroll
         for (int t = 0; t < MQ_TM; ++t) {
             int m = m0 + t;
             if (m >= M) break;
-            const int4* qa = (const int4*)(xq + (size_t)m * K + 32 * b);  // 16-byte aligned: K % 32 == 0
+            const int4* qa = (const int4*)(xq + (size_t)m * K + 32 * xb);  // 16-byte aligned: K % 32 == 0
             int4 a0 = qa[0], a1 = qa[1];
             int i0 = __dp4a(codes[3], a0.w, __dp4a(codes[2], a0.z, __dp4a(codes[1], a0.y, __dp4a(codes[0], a0.x, 0))));
             int i1 = __dp4a(codes[7], a1.w, __dp4a(codes[6], a1.z, __dp4a(codes[5], a1.y, __dp4a(codes[4], a1.x, 0))));
             int isum = sca * i0 + scb * i1;
-            float da = xd[(size_t)m * nb + b];
+            float da = xd[(size_t)m * nb + xb];
             float r = __fmul_rn(__fmul_rn(s, da), (float)isum);
-            if (asym) r = __fadd_rn(r, __fmul_rn(__fmul_rn(o, da), (float)xa[(size_t)m * nb + b]));
+            if (asym) r = __fadd_rn(r, __fmul_rn(__fmul_rn(o, da), (float)xa[(size_t)m * nb + xb]));
             acc[t] = __fadd_rn(acc[t], r);
         }
     }
 #pragma unroll
     for (int t = 0; t < MQ_TM; ++t) {
-        float v = bx_butterfly(acc[t]);
-        if (lane == 0 && m0 + t < M) y[(size_t)(m0 + t) * N + n] = v;
+        float v = bx_butterfly_lanes(acc[t], lanes);
+        if (l == 0 && live && m0 + t < M) y[(size_t)(m0 + t) * N + n] = v;
     }
 }
 
@@ -169,6 +179,11 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 // One warp per MF_ROWS output rows (each x chunk loaded once for all of them),
 // MQ_TM tokens per warp; up to three matrices with the same K and type
 // (Q/K/V, gate/up) in one launch, each starting at a warp of its own.
+// A tensor-parallel shard of K (docs/determinism.md section 12) is computed
+// by sub-warps of `lanes` lanes (32/lanes sub-warps, MF_ROWS rows each): the
+// weight rows hold the shard's lanes only, lane-major over `lanes` lanes
+// (chunk j*lanes + l), sub-lane l reads x's chunk j*32 + lane0 + l, and the
+// lowest log2(lanes) butterfly levels give the shard's partial.
 // Tile constants, chosen by timing variants on one NVIDIA H200 over the 8B
 // shapes at batch 1, 8 and 32 (scripts/tune_matmul_f.py compiles variants with
 // -D; docs/benchmarks.md); none changes any sum. The node compiles the defaults.
@@ -242,16 +257,21 @@ __device__ __forceinline__ void bx_load_x(const float* __restrict__ p, float* xv
     }
 }
 
-// Rows n0 .. n0+MF_ROWS-1 of W (rows past N read row N-1 and are not written).
-template <int WT, int V>
+// Rows n0 + sub*MF_ROWS .. of W for sub-warp sub (rows past N read row N-1 and are not written).
+template <int WT, int V, int LANES>
 __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict__ W, const float* __restrict__ xl,
                                                  float* __restrict__ y, int n0, int N, int M, int m0, int K,
-                                                 int lane) {
+                                                 int lane, int lane0) {
+    constexpr int lanes = LANES;
     using C = BxChunk<WT, V>;
+    int sub = lane / lanes, l = lane & (lanes - 1);
+    n0 += sub * MF_ROWS;
     const unsigned char* rows[MF_ROWS];
 #pragma unroll
-    for (int r = 0; r < MF_ROWS; ++r) rows[r] = W + (size_t)min(n0 + r, N - 1) * K * (WT == BX_F32 ? 4 : 2);
+    for (int r = 0; r < MF_ROWS; ++r)
+        rows[r] = W + (size_t)min(n0 + r, N - 1) * (lanes * (K >> 5)) * (WT == BX_F32 ? 4 : 2);
     int nj = (K >> 5) / V;
+    int xlane = lane0 + l;  // the contract lane whose x chunks this sub-lane reads
     float acc[MF_ROWS][MQ_TM];
 #pragma unroll
     for (int r = 0; r < MF_ROWS; ++r)
@@ -263,7 +283,7 @@ __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict
         for (int u = 0; u < C::U; ++u)
 #pragma unroll
             for (int r = 0; r < MF_ROWS; ++r)
-                if (j0 + u < nj) w[r][u].load(rows[r], (j0 + u) * 32 + lane);
+                if (j0 + u < nj) w[r][u].load(rows[r], (j0 + u) * lanes + l);
 #pragma unroll
         for (int u = 0; u < C::U; ++u) {
             if (j0 + u >= nj) break;
@@ -275,7 +295,7 @@ __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict
             for (int t = 0; t < MQ_TM; ++t) {
                 if (m0 + t >= M) break;
                 float xv[V];
-                bx_load_x<V>(xl + (size_t)(m0 + t) * K + (size_t)((j0 + u) * 32 + lane) * V, xv);
+                bx_load_x<V>(xl + (size_t)(m0 + t) * K + (size_t)((j0 + u) * 32 + xlane) * V, xv);
 #pragma unroll
                 for (int r = 0; r < MF_ROWS; ++r)
 #pragma unroll
@@ -287,28 +307,41 @@ __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict
     for (int r = 0; r < MF_ROWS; ++r)
 #pragma unroll
         for (int t = 0; t < MQ_TM; ++t) {
-            float v = bx_butterfly(acc[r][t]);
-            if (lane == 0 && m0 + t < M && n0 + r < N) y[(size_t)(m0 + t) * N + n0 + r] = v;
+            float v = bx_butterfly_lanes(acc[r][t], LANES);
+            if (l == 0 && m0 + t < M && n0 + r < N) y[(size_t)(m0 + t) * N + n0 + r] = v;
         }
 }
 
+// Not inlined: with every (type, lanes) body inlined into one kernel the
+// register allocator spills; as calls each body gets the 80 registers alone.
+template <int WT, int LANES>
+__device__ __noinline__ void bx_matmul_f_v(int V, const unsigned char* W, const float* xl, float* y, int n0,
+                                              int N, int M, int m0, int K, int lane, int lane0) {
+    if (V == 8) bx_matmul_f_rows<WT, (WT == BX_F32 ? 4 : 8), LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else if (V == 4) bx_matmul_f_rows<WT, 4, LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else if (V == 2) bx_matmul_f_rows<WT, 2, LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else bx_matmul_f_rows<WT, 1, LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
+}
+
+// The shard's lane count as a template argument, so the full warp's code is unchanged.
 template <int WT>
-__device__ __forceinline__ void bx_matmul_f_v(int V, const unsigned char* W, const float* xl, float* y, int n0,
-                                              int N, int M, int m0, int K, int lane) {
-    if (V == 8) bx_matmul_f_rows<WT, (WT == BX_F32 ? 4 : 8)>(W, xl, y, n0, N, M, m0, K, lane);
-    else if (V == 4) bx_matmul_f_rows<WT, 4>(W, xl, y, n0, N, M, m0, K, lane);
-    else if (V == 2) bx_matmul_f_rows<WT, 2>(W, xl, y, n0, N, M, m0, K, lane);
-    else bx_matmul_f_rows<WT, 1>(W, xl, y, n0, N, M, m0, K, lane);
+__device__ __forceinline__ void bx_matmul_f_t(int V, const unsigned char* W, const float* xl, float* y, int n0,
+                                              int N, int M, int m0, int K, int lane, int lanes, int lane0) {
+    if (lanes == 32) bx_matmul_f_v<WT, 32>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else if (lanes == 16) bx_matmul_f_v<WT, 16>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else if (lanes == 8) bx_matmul_f_v<WT, 8>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else bx_matmul_f_v<WT, 4>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * MF_WARPS, MF_MINB)
 matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
          const unsigned char* __restrict__ W2, float* __restrict__ y0, float* __restrict__ y1,
          float* __restrict__ y2, int N0, int N1, int N2, int wtype, int V, const float* __restrict__ xl, int M,
-         int K) {
+         int K, int lanes, int lane0) {
     int lane = threadIdx.x & 31;
     int w = blockIdx.y * MF_WARPS + (threadIdx.x >> 5);  // warp index over the matrices' warps
-    int w0 = (N0 + MF_ROWS - 1) / MF_ROWS, w1 = (N1 + MF_ROWS - 1) / MF_ROWS, w2 = (N2 + MF_ROWS - 1) / MF_ROWS;
+    int per = MF_ROWS * (32 / lanes);                     // rows per warp
+    int w0 = (N0 + per - 1) / per, w1 = (N1 + per - 1) / per, w2 = (N2 + per - 1) / per;
     const unsigned char* W = W0;
     float* y = y0;
     int N = N0;
@@ -322,7 +355,7 @@ matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
         }
     }
     int m0 = blockIdx.x * MQ_TM;
-    if (wtype == BX_F32) bx_matmul_f_v<BX_F32>(V, W, xl, y, w * MF_ROWS, N, M, m0, K, lane);
-    else if (wtype == BX_F16) bx_matmul_f_v<BX_F16>(V, W, xl, y, w * MF_ROWS, N, M, m0, K, lane);
-    else bx_matmul_f_v<BX_BF16>(V, W, xl, y, w * MF_ROWS, N, M, m0, K, lane);
+    if (wtype == BX_F32) bx_matmul_f_t<BX_F32>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
+    else if (wtype == BX_F16) bx_matmul_f_t<BX_F16>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
+    else bx_matmul_f_t<BX_BF16>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
 }

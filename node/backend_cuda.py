@@ -22,17 +22,18 @@ import numpy as np
 from .errors import BitexactError
 from .gguf_model import FLOAT_TYPES, Model, float_values
 from .kernels import COMPILE_OPTIONS
-from .reference import SPLIT_KV, lane_major, lane_width
+from .reference import SPLIT_KV, WARP, lane_major, lane_terms, lane_width
 
 QTYPE_IDS = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_1": 5, "Q4_K": 6, "Q6_K": 7}
 DEFAULT_PIN = "NVIDIA H200"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.cu", "residual.cu",
-                "embed.cu", "sampler.cu")
+                "embed.cu", "sampler.cu", "tp.cu")
 MQ_TM = 8  # tokens per warp in matmul_q / matmul_f (cuda/matmul.cu)
 MQ_WARPS, MF_WARPS = 4, 8  # warps per block of matmul_q / matmul_f
 MF_ROWS = 2  # output rows per warp of matmul_f (matmul_q: 1)
 ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
+SUPER_BLOCKS = {"Q4_K": 8, "Q6_K": 8}  # 32-element blocks per super-block (ggml k-quants); others: 1
 MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes replayed through CUDA graphs
 
@@ -43,6 +44,26 @@ class LaneMajor(NamedTuple):
     the float-weight products that read them."""
     data: object
     v: int
+
+
+class Mat(NamedTuple):
+    """A weight matrix ``[N, K]``, or a tensor-parallel shard of one, as the matmul kernels read it.
+
+    ``data``: quantized blocks ``[N, row bytes]`` (uint8) or the elements
+    lane-major over ``lanes`` lanes (:func:`node.reference.lane_major`).
+    A column-parallel shard is some rows with the full K (``lanes = 32``); a
+    row-parallel shard holds contract lanes ``lane0 .. lane0 + lanes - 1`` of
+    K (docs/determinism.md section 12): for quantized weights ``terms``
+    blocks per row, starting ``b_off`` blocks into its first super-block.
+    """
+    data: object
+    rows: int
+    qtype: str
+    k: int
+    lanes: int = WARP
+    lane0: int = 0
+    b_off: int = 0
+    terms: int = 0
 
 
 class GpuError(BitexactError):
@@ -140,28 +161,23 @@ class CudaBackend:
                 ("matmul.cu", ("quantize_q8", "matmul_q", "lane_major", "matmul_f")), ("norm.cu", ("rms_norm",)),
                 ("rope.cu", ("rope",)), ("attention.cu", ("kv_store", "attention_split", "attention_combine")),
                 ("activation.cu", ("silu_gate",)), ("residual.cu", ("residual_add",)), ("embed.cu", ("embed",)),
-                ("sampler.cu", ("argmax",))) for n in names}
+                ("sampler.cu", ("argmax",)), ("tp.cu", ("tp_combine",))) for n in names}
             for n in ("rms_norm", "attention_split"):
                 self.k[n].max_dynamic_shared_size_bytes = MAX_SMEM
             # Float matrices are kept lane-major for matmul_f (token_embd stays
-            # row-major for embed, plus a lane-major copy when it is the LM head).
-            self._weights, self._matrix = {}, {}
+            # row-major for embed, plus a matrix of its own when it is the LM head).
+            self._weights, self._mats = {}, {}
             for name, t in model.tensors.items():
                 if t.rows == 1 and t.qtype in FLOAT_TYPES:
                     self._weights[name] = cp.asarray(float_values(t)[0])
                     continue
-                raw = np.ascontiguousarray(t.raw)
-                if t.qtype in FLOAT_TYPES:
-                    if name == "token_embd.weight":
-                        self._weights[name] = cp.asarray(raw)
-                    if name != "token_embd.weight" or model.tied_output:
-                        if t.cols % 32:
-                            raise GpuError(f"{name}: the CUDA engine needs float matrices with K % 32 == 0, "
-                                           f"got K={t.cols}")
-                        elem = raw.view(np.uint32 if ESIZE[t.qtype] == 4 else np.uint16)
-                        self._matrix[name] = cp.asarray(lane_major(elem, lane_width(t.cols, ESIZE[t.qtype])))
-                else:
-                    self._weights[name] = self._matrix[name] = cp.asarray(raw)
+                if name == "token_embd.weight":
+                    self._weights[name] = cp.asarray(np.ascontiguousarray(t.raw))
+                    if not model.tied_output:
+                        continue
+                if t.qtype in FLOAT_TYPES and t.cols % 32:
+                    raise GpuError(f"{name}: the CUDA engine needs float matrices with K % 32 == 0, got K={t.cols}")
+                self._mats[name] = self._mat(name, t)
             hp = self.hp
             self.page_floats = hp.n_head_kv * SPLIT_KV * hp.head_dim
             page_bytes = 2 * hp.n_layer * self.page_floats * 4
@@ -182,6 +198,18 @@ class CudaBackend:
         self._graph_cache: dict[int, dict] = {}
         self._entry = None
         self._device_record = None
+
+    def _mat(self, name: str, t) -> Mat | None:
+        """Upload matrix ``name`` for the matmul kernels (a tensor-parallel rank uploads its shard)."""
+        return self._upload(t, t.raw, t.rows)
+
+    def _upload(self, t, raw, rows: int, lanes: int = WARP, lane0: int = 0, b_off: int = 0, terms: int = 0) -> Mat:
+        """:class:`Mat` of ``raw`` (``rows`` rows of tensor ``t``'s bytes, or a K shard of them)."""
+        raw = np.ascontiguousarray(raw)
+        if t.qtype in FLOAT_TYPES:
+            elem = raw.view(np.uint32 if ESIZE[t.qtype] == 4 else np.uint16)
+            raw = lane_major(elem, lane_width(t.cols, ESIZE[t.qtype]), lanes)
+        return Mat(self.cp.asarray(raw), rows, t.qtype, t.cols, lanes, lane0, b_off, terms)
 
     # ---- host/device -------------------------------------------------------
     def to_host(self, x) -> np.ndarray:
@@ -223,10 +251,12 @@ class CudaBackend:
         return q, d, a
 
     def _fused(self, names):
-        """Tensors of one fused launch: at most three, one K; returns (tensors, outputs' N)."""
-        ts = [self.model.tensors[n] for n in names]
-        _check(1 <= len(ts) <= 3 and len({t.cols for t in ts}) == 1, f"fused matmul of {names}: 1-3 tensors, one K")
-        return ts, [t.rows for t in ts] + [0] * (3 - len(ts))
+        """Matrices of one fused launch: at most three with one K and one shard of it;
+        returns (matrices, their N padded to three)."""
+        ms = [self._mats[n] for n in names]
+        _check(1 <= len(ms) <= 3 and len({m[3:] for m in ms}) == 1, f"fused matmul of {names}: 1-3 matrices, one K")
+        _check(all(m.rows > 0 for m in ms), f"fused matmul of {names}: no empty matrix")
+        return ms, [m.rows for m in ms] + [0] * (3 - len(ms))
 
     def _matmul_grid(self, m, rows, warps, rows_per_warp=1):
         """Grid of matmul_q / matmul_f: (token tiles, blocks); each matrix starts at a warp of its own."""
@@ -235,24 +265,30 @@ class CudaBackend:
         return ((m + MQ_TM - 1) // MQ_TM, blocks)
 
     def launch_matmul_q(self, xq, names):
-        """Quantized products of one quantized input with 1-3 matrices of the same K; list of fp32 [M, N_i]."""
+        """Quantized products of one quantized input with 1-3 matrices of the same K
+        (or one row-parallel shard); list of fp32 [M, N_i]."""
         cp = self.cp
-        ts, rows = self._fused(names)
+        ms, rows = self._fused(names)
         q, d, a = xq
         m, k = q.shape
-        _check(k == ts[0].cols and d.shape == (m, k // 32) and a.shape == (m, k // 32),
-               f"matmul_q {names} K={ts[0].cols}")
+        w0 = ms[0]
+        nb = k // 32
+        g, nbs = lane_terms(nb), w0.terms or nb
+        _check(k == w0.k and d.shape == (m, nb) and a.shape == (m, nb), f"matmul_q {names} K={w0.k}")
         _check(q.flags.c_contiguous and q.data.ptr % 16 == 0, "matmul_q: x codes contiguous, 16-byte aligned")
-        _check(all(t.qtype not in FLOAT_TYPES for t in ts), "matmul_q takes quantized weights")
-        ys = [cp.empty((m, t.rows), cp.float32) for t in ts]
-        pad = 3 - len(ts)
-        w = [self._matrix[t.name] for t in ts] + [self._matrix[ts[0].name]] * pad
+        _check(all(w.qtype not in FLOAT_TYPES for w in ms), "matmul_q takes quantized weights")
+        _check(w0.lanes in (4, 8, 16, 32) and w0.lane0 % w0.lanes == 0 and w0.lane0 * g + nbs <= nb
+               and nbs <= w0.lanes * g, f"matmul_q {names}: shard of lanes {w0.lane0}+{w0.lanes}, {nbs} blocks")
+        ys = [cp.empty((m, w.rows), cp.float32) for w in ms]
+        pad = 3 - len(ms)
+        ws = [w.data for w in ms] + [w0.data] * pad
         yy = ys + [ys[0]] * pad
-        qt = [QTYPE_IDS[t.qtype] for t in ts] + [0] * pad
-        rb = [t.raw.shape[1] for t in ts] + [0] * pad
-        self.k["matmul_q"](self._matmul_grid(m, rows, MQ_WARPS), (32 * MQ_WARPS,),
-                           (*w, *yy, *(np.int32(r) for r in rows), *(np.int32(v) for v in qt),
-                            *(np.int32(v) for v in rb), q, d, a, np.int32(m), np.int32(k)))
+        qt = [QTYPE_IDS[w.qtype] for w in ms] + [0] * pad
+        rb = [w.data.shape[1] for w in ms] + [0] * pad
+        self.k["matmul_q"](self._matmul_grid(m, rows, MQ_WARPS, WARP // w0.lanes), (32 * MQ_WARPS,),
+                           (*ws, *yy, *(np.int32(r) for r in rows), *(np.int32(v) for v in qt),
+                            *(np.int32(v) for v in rb), q, d, a, np.int32(m), np.int32(k), np.int32(g),
+                            np.int32(w0.lanes), np.int32(w0.lane0 * g), np.int32(w0.b_off), np.int32(nbs)))
         return ys
 
     def launch_lane_major(self, x, v):
@@ -266,19 +302,24 @@ class CudaBackend:
         return out
 
     def launch_matmul_f(self, xl, names):
-        """Float-weight products of one lane-major input with 1-3 matrices of one type and K; list of fp32 [M, N_i]."""
+        """Float-weight products of one lane-major input with 1-3 matrices of one type and K
+        (or one row-parallel shard); list of fp32 [M, N_i]."""
         cp = self.cp
-        ts, rows = self._fused(names)
+        ms, rows = self._fused(names)
         m, k = xl.shape
-        _check(xl.dtype == cp.float32 and xl.flags.c_contiguous and k == ts[0].cols, f"matmul_f {names} K={k}")
-        _check(len({t.qtype for t in ts}) == 1 and ts[0].qtype in FLOAT_TYPES, "matmul_f: one float weight type")
-        ys = [cp.empty((m, t.rows), cp.float32) for t in ts]
-        pad = 3 - len(ts)
-        w = [self._matrix[t.name] for t in ts] + [self._matrix[ts[0].name]] * pad
+        w0 = ms[0]
+        _check(xl.dtype == cp.float32 and xl.flags.c_contiguous and k == w0.k, f"matmul_f {names} K={k}")
+        _check(len({w.qtype for w in ms}) == 1 and w0.qtype in FLOAT_TYPES, "matmul_f: one float weight type")
+        _check(w0.lanes in (4, 8, 16, 32) and w0.lane0 % w0.lanes == 0 and w0.lane0 + w0.lanes <= WARP
+               and w0.data.shape == (w0.rows, w0.lanes * (k // WARP)), f"matmul_f {names}: lane shard")
+        ys = [cp.empty((m, w.rows), cp.float32) for w in ms]
+        pad = 3 - len(ms)
+        ws = [w.data for w in ms] + [w0.data] * pad
         yy = ys + [ys[0]] * pad
-        self.k["matmul_f"](self._matmul_grid(m, rows, MF_WARPS, MF_ROWS), (32 * MF_WARPS,),
-                           (*w, *yy, *(np.int32(r) for r in rows), np.int32(QTYPE_IDS[ts[0].qtype]),
-                            np.int32(lane_width(k, ESIZE[ts[0].qtype])), xl, np.int32(m), np.int32(k)))
+        self.k["matmul_f"](self._matmul_grid(m, rows, MF_WARPS, MF_ROWS * (WARP // w0.lanes)), (32 * MF_WARPS,),
+                           (*ws, *yy, *(np.int32(r) for r in rows), np.int32(QTYPE_IDS[w0.qtype]),
+                            np.int32(lane_width(k, ESIZE[w0.qtype])), xl, np.int32(m), np.int32(k),
+                            np.int32(w0.lanes), np.int32(w0.lane0)))
         return ys
 
     def _check_width(self, k, v, what):
@@ -373,6 +414,17 @@ class CudaBackend:
         nan = cp.empty((r,), cp.int32)
         self.k["argmax"]((r,), (256,), (logits, out, nan, np.int32(r), np.int32(v)))
         return out, nan
+
+    def launch_tp_combine(self, partials):
+        """fp32 partials [T, M, N] of a row-parallel product (rank order) -> fp32 [M, N]."""
+        cp = self.cp
+        t = partials.shape[0]
+        _check(partials.dtype == cp.float32 and partials.flags.c_contiguous and t in (1, 2, 4, 8),
+               "tp_combine partials fp32 [T in 1, 2, 4, 8, ...]")
+        out = cp.empty(partials.shape[1:], cp.float32)
+        n = out.size
+        self.k["tp_combine"](((n + 255) // 256,), (256,), (partials, out, np.int64(n), np.int32(t)))
+        return out
 
     # ---- backend ops (same interface as CpuBackend) -------------------------
     def embed(self, tokens):

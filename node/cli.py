@@ -72,12 +72,10 @@ def open_engine(args):
     tok = Tokenizer(model)
     device = resolve_device(args.device)
     tp = getattr(args, "tp", 1)
-    if tp != 1:
-        if device != "cpu":
-            raise RequestError("--tp runs its ranks on the CPU in this version; add --device cpu")
-        from .tp_runtime import TpEngine
-        return model, tok, TpEngine(model, tp, n_ctx=args.ctx)
     opts = {"pin": args.pin or None} if device == "cuda" else {}
+    if tp != 1:
+        from .tp_runtime import TpEngine
+        return model, tok, TpEngine(model, tp, n_ctx=args.ctx, device=device, **opts)
     return model, tok, Engine(model, device=device, n_ctx=args.ctx, **opts)
 
 
@@ -119,7 +117,8 @@ def _serve(args, tok, key, engine) -> None:
     except sqlite3.Error as e:
         raise BitexactError(f"cannot open the attestation store in {args.data_dir}: {e}") from None
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    tp = f" (tensor parallel: {args.tp} rank processes)" if args.tp != 1 else ""
+    tp = f" (tensor parallel: {args.tp} rank processes{' on as many GPUs' if engine.device == 'cuda' else ''})" \
+        if args.tp != 1 else ""
     banner = (f"bitexact serve: {node.model_id} on {engine.device}{tp}, key id {node.key_id}, "
               f"http://{args.host}:{args.port}")
     try:   # the banner is printed once the socket is bound

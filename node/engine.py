@@ -27,8 +27,9 @@ class Engine:
     ``n_ctx`` is the context length in tokens (default: the model's training
     context, at most 8192). ``tp`` (1, 2, 4, 8) runs the numpy engine sharded
     as that many tensor-parallel ranks would (:mod:`node.tp`); the bytes are
-    those of ``tp = 1``. ``backend`` is an already built numpy backend (a
-    :class:`node.tp_runtime.RankBackend`; ``device`` must then be ``"cpu"``).
+    those of ``tp = 1``. ``backend`` is an already built backend for ``device``
+    (a tensor-parallel rank's: :class:`node.tp_runtime.RankBackend` or
+    :class:`node.tp_gpu.CudaRankBackend`).
     ``cuda_opts`` (``pin``, ``kv_pages``) go to
     :class:`~node.backend_cuda.CudaBackend`. Raises :class:`RequestError` for an
     unknown device or ``tp > 1`` on cuda, :class:`ModelError` for a ``tp`` that
@@ -69,6 +70,10 @@ class Engine:
         self._sin = self.backend.from_host(sin)
         self._len: dict[int, int] = {}
         self._ids = itertools.count(1)
+
+    def device_record(self) -> dict:
+        """The GPU's record for attestations (cuda only: :meth:`CudaBackend.device_record`)."""
+        return self.backend.device_record()
 
     # ---- sequences ---------------------------------------------------------
     def new_sequence(self) -> int:

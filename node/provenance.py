@@ -65,7 +65,7 @@ def cpu_name() -> str:
 
 def device_record(engine: Engine) -> dict:
     if engine.device == "cuda":
-        return engine.backend.device_record()
+        return engine.device_record()
     return {"cpu": cpu_name(), "machine": platform.machine(), "python": platform.python_version()}
 
 

@@ -147,18 +147,27 @@ def lane_width(k: int, esize: int) -> int:
     return v
 
 
-def lane_major(a: np.ndarray, v: int) -> np.ndarray:
-    """Reorder the last axis (``K = 32 g``) into lane-major chunks of ``v`` elements.
+def lane_major(a: np.ndarray, v: int, lanes: int = WARP) -> np.ndarray:
+    """Reorder the last axis (``K = lanes * g``) into lane-major chunks of ``v`` elements.
 
     Chunk ``(l, j)``, the elements ``l*g + j*v .. l*g + j*v + v - 1`` that lane
     ``l`` of :func:`warp_sum` adds at its step ``j``, moves to
-    ``(j*32 + l) * v``. A pure permutation of any dtype (no arithmetic): a warp
-    then reads its 32 lanes' step-``j`` chunks as one contiguous span.
+    ``(j*lanes + l) * v``. A pure permutation of any dtype (no arithmetic): a
+    warp then reads its lanes' step-``j`` chunks as one contiguous span.
+    ``lanes`` < 32 lays out a tensor-parallel shard of K (its ``lanes``
+    contract lanes, docs/determinism.md section 12).
     ``a`` ``[..., K]``; returns a new array of the same shape and dtype.
     """
     *lead, k = a.shape
-    g = k // WARP
-    return np.ascontiguousarray(a.reshape(*lead, WARP, g // v, v).swapaxes(-3, -2)).reshape(*lead, k)
+    g = k // lanes
+    return np.ascontiguousarray(a.reshape(*lead, lanes, g // v, v).swapaxes(-3, -2)).reshape(*lead, k)
+
+
+def tp_combine(partials: np.ndarray) -> np.ndarray:
+    """The ``T`` gathered partials fp32 ``[T, ...]`` (rank order) of a row-parallel
+    product combined as the contract tree's top ``log2(T)`` levels,
+    neighbours first (docs/determinism.md section 12). Returns fp32 ``[...]``."""
+    return subtree_sum(partials, 1, partials.shape[0], axis=0)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -68,7 +68,7 @@ class ShardPlan:
     def __init__(self, model: Model, tp: int):
         check_degree(tp)
         hp = model.hparams
-        self.tp = tp
+        self.model, self.hp, self.tp = model, hp, tp
         self.heads, self.ffn = {}, {}
         for layer in range(hp.n_layer):
             o = model.tensors[f"blk.{layer}.attn_output.weight"]
@@ -81,6 +81,17 @@ class ShardPlan:
             self.ffn[layer] = k_shards(d.cols, d.qtype not in FLOAT_TYPES, tp)
         per = -(-hp.n_vocab // tp)
         self.vocab = [(min(hp.n_vocab, r * per), min(hp.n_vocab, (r + 1) * per)) for r in range(tp)]
+
+    def spans(self, name: str) -> list[tuple[int, int]]:
+        """Per rank: the K range ``[a, b)`` (elements) of row-parallel matrix
+        ``name``, or the output rows ``[a, b)`` of a column-parallel one."""
+        t = self.model.tensors[name]
+        if name.endswith(ROW_PARALLEL):
+            return k_shards(t.cols, t.qtype not in FLOAT_TYPES, self.tp)
+        if name == self.model.output.name:
+            return self.vocab
+        layer, kind = int(name.split(".")[1]), name.split(".")[2]
+        return self.column_rows(layer, kind.split("_")[-1], self.hp)
 
     def column_rows(self, layer: int, kind: str, hp) -> list[tuple[int, int]]:
         """Rows ``[a, b)`` of the column-parallel matrix ``kind`` (q, k, v, gate, up) each rank computes."""
@@ -123,23 +134,9 @@ class TpCpuBackend(CpuBackend):
     def linears(self, x, names):
         return [self.assemble(name, [self.piece(x, name, r) for r in range(self.tp)]) for name in names]
 
-    def _column_spans(self, name):
-        """Output rows ``[a, b)`` of each rank for a column-parallel matrix ``name``."""
-        if name == self.model.output.name:
-            return self.plan.vocab
-        layer, kind = int(name.split(".")[1]), name.split(".")[2]
-        return self.plan.column_rows(layer, kind.split("_")[-1], self.hp)
-
-    def _span(self, name, r):
-        """Rank ``r``'s K range ``[a, b)`` (elements) of row-parallel ``name``, or its output rows."""
-        t = self.model.tensors[name]
-        if name.endswith(ROW_PARALLEL):
-            return k_shards(t.cols, t.qtype not in FLOAT_TYPES, self.tp)[r]
-        return self._column_spans(name)[r]
-
     def _shard(self, name, r):
         """Rank ``r``'s part of weight ``name`` (a view of the whole decoded matrix)."""
-        a, b = self._span(name, r)
+        a, b = self.plan.spans(name)[r]
         w = self._weight(name)
         return _k_cols(w, a, b) if name.endswith(ROW_PARALLEL) else _rows(w, a, b)
 
@@ -148,7 +145,7 @@ class TpCpuBackend(CpuBackend):
         range (row-parallel ``name``), or fp32 ``[M, b - a]`` of its output rows."""
         t = self.model.tensors[name]
         quant = t.qtype not in FLOAT_TYPES
-        a, b = self._span(name, r)
+        a, b = self.plan.spans(name)[r]
         if name.endswith(ROW_PARALLEL):
             if a == b:                                                      # lanes with no terms hold +0
                 return np.zeros((x.shape[0], t.rows), np.float32)
@@ -165,8 +162,8 @@ class TpCpuBackend(CpuBackend):
     def assemble(self, name, pieces):
         """The full product from every rank's :meth:`piece`, in rank order."""
         if name.endswith(ROW_PARALLEL):
-            return ref.subtree_sum(np.stack(pieces), 1, self.tp, axis=0)      # the tree's top levels
+            return ref.tp_combine(np.stack(pieces))                         # the tree's top levels
         out = np.zeros((pieces[0].shape[0], self.model.tensors[name].rows), np.float32)
-        for (a, b), p in zip(self._column_spans(name), pieces):
+        for (a, b), p in zip(self.plan.spans(name), pieces):
             out[:, a:b] = p
         return out

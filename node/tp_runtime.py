@@ -11,9 +11,10 @@ Every rank therefore holds the same activations, and rank 0's logits are the
 step's logits, byte-identical to ``tp = 1``.
 
 :class:`TpEngine` is the parent's handle: it mirrors :class:`node.engine.Engine`
-and forwards each call to every rank. This version runs the ranks on the CPU
-(numpy); GPU ranks would keep the same pieces and assembly, with NCCL's
-all-gather in place of :class:`ShmAllGather`.
+and forwards each call to every rank. Ranks run on the CPU (numpy, this
+module's :class:`RankBackend`) or one per GPU (:class:`node.tp_gpu.CudaRankBackend`:
+the same pieces and assembly, with NCCL's all-gather in place of
+:class:`ShmAllGather`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .tp import ShardPlan, TpCpuBackend, check_degree
 SLOT_FLOATS = 1 << 20   # fp32 values each rank can publish per round (4 MiB)
 POLL_S = 0.05           # how often a rank waiting at a gather looks at the abort flag
 HEADER = 8              # bytes before the slots: the abort flag (int64)
+OUT_ROWS = 64           # logits rows rank 0 hands back through shared memory (larger results: the pipe)
 
 
 class GatherAborted(RuntimeError):
@@ -134,20 +136,52 @@ def _max_cols(model: Model) -> int:
     return max(t.rows for t in model.tensors.values() if t.rows > 1)
 
 
-def _rank_main(path: str, tp: int, rank: int, n_ctx, shm_name: str, sems, conn) -> None:
+def _rank_engine(path: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opts: dict):
+    """The rank's engine and the object whose ``close`` ends its collective."""
+    model = load_model(path)
+    if device == "cuda":
+        from .tp_gpu import CudaRankBackend
+        be = CudaRankBackend(model, tp, rank, link, n_ctx=n_ctx or min(model.hparams.n_ctx_train, 8192),
+                             **cuda_opts)
+        return Engine(model, "cuda", n_ctx, backend=be), be
+    shm_name, sems = link
+    gather = ShmAllGather(shm_name, sems, tp, rank, _max_cols(model))
+    return Engine(model, "cpu", n_ctx, backend=RankBackend(model, tp, rank, gather)), gather
+
+
+def _publish(out: list, shm) -> object:
+    """Rank 0's ``forward`` result: written into the shared logits block when it
+    fits (the reply then carries only the shapes), else returned as is."""
+    n = sum(a.size for a in out)
+    if n * 4 > shm.size:
+        return out
+    flat = np.ndarray((n,), np.float32, shm.buf)
+    off = 0
+    for a in out:
+        flat[off:off + a.size] = a.reshape(-1)
+        off += a.size
+    del flat
+    return ("shm", [a.shape for a in out])
+
+
+def _rank_main(path: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opts: dict, out_name: str,
+               conn) -> None:
     """A rank process: build the rank's engine, then serve (method, args) calls until ``None``.
 
-    Replies: ``("ok", result)`` (rank 0's result; others send ``None``),
-    ``("err", e)`` for a request error (every rank raises it alike, before any
-    gather), ``("fault", e)`` for anything else; a rank that faults sets the
-    abort flag first, so the others stop waiting for it.
+    ``link``: the shared-memory name and semaphores (cpu) or the NCCL unique
+    id (cuda); ``out_name`` the shared block through which rank 0 hands back
+    logits (:func:`_publish`). Replies: ``("ok", result)`` (rank 0's result;
+    others send ``None``), ``("err", e)`` for a request error (every rank raises it alike,
+    before any gather), ``("fault", e)`` for anything else; a CPU rank that
+    faults sets the abort flag first, so the others stop waiting for it (GPU
+    ranks waiting in NCCL are stopped by the parent).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)                  # the parent handles Ctrl-C and stops us
     try:
-        model = load_model(path)
-        gather = ShmAllGather(shm_name, sems, tp, rank, _max_cols(model))
-        eng = Engine(model, "cpu", n_ctx, backend=RankBackend(model, tp, rank, gather))
-        conn.send(("ok", eng.n_ctx))
+        eng, coll = _rank_engine(path, tp, rank, n_ctx, device, link, cuda_opts)
+        rec = eng.backend.device_record() if device == "cuda" else None
+        out_shm = shared_memory.SharedMemory(name=out_name) if rank == 0 else None
+        conn.send(("ok", (eng.n_ctx, rec)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("err", e if isinstance(e, BitexactError) else BitexactError(f"rank {rank}: {e}")))
         return
@@ -161,24 +195,32 @@ def _rank_main(path: str, tp: int, rank: int, n_ctx, shm_name: str, sems, conn) 
         method, args = msg
         try:
             out = getattr(eng, method)(*args)
+            if rank == 0 and method == "forward":
+                out = _publish(out, out_shm)
             conn.send(("ok", out if rank == 0 else None))
         except BitexactError as e:
             conn.send(("err", e))
         except GatherAborted as e:
             conn.send(("fault", BitexactError(f"tensor-parallel rank {rank}: {e}")))
         except Exception as e:  # noqa: BLE001 - a bug or out of memory on this rank only
-            gather.abort()
+            if device == "cpu":
+                coll.abort()
             conn.send(("fault", BitexactError(f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}")))
-    gather.close()
+    coll.close()
+    if out_shm is not None:
+        out_shm.close()
 
 
 class TpEngine:
-    """:class:`node.engine.Engine` run as ``tp`` rank processes on the CPU.
+    """:class:`node.engine.Engine` run as ``tp`` rank processes, on the CPU or one per GPU.
 
-    Same interface and bytes as ``Engine(model, "cpu", n_ctx)``; ``tp`` is 2,
-    4 or 8 and must split the model's heads (:class:`node.tp.ShardPlan`).
+    Same interface and bytes as ``Engine(model, device, n_ctx)``; ``tp`` is 2,
+    4 or 8 and must split the model's heads (:class:`node.tp.ShardPlan`);
+    ``device`` is ``"cpu"`` or ``"cuda"`` (rank ``r`` on GPU ``r``;
+    ``cuda_opts`` as for :class:`node.backend_cuda.CudaBackend`).
     Raises :class:`ModelError` for a bad degree and the first rank's error
-    when a rank cannot start. A call raises the request error the ranks
+    when a rank cannot start (:class:`node.backend_cuda.GpuError` when there
+    are fewer GPUs than ranks). A call raises the request error the ranks
     raised alike (the engine stays usable); if a rank dies or faults, the
     ranks disagree, or the caller is interrupted while ranks work, the call
     raises :class:`BitexactError` and the engine is broken: every later
@@ -186,31 +228,41 @@ class TpEngine:
     are daemonic, so they also end with the parent).
     """
 
-    device = "cpu"
-
-    def __init__(self, model: Model, tp: int, n_ctx: int | None = None):
+    def __init__(self, model: Model, tp: int, n_ctx: int | None = None, device: str = "cpu", **cuda_opts):
         check_degree(tp)
         ShardPlan(model, tp)                                     # refuse a bad split before starting processes
-        self.model, self.hp, self.tp = model, model.hparams, tp
+        if device not in ("cpu", "cuda"):
+            raise BitexactError(f"unknown device {device!r} (expected cpu or cuda)")
+        self.model, self.hp, self.tp, self.device = model, model.hparams, tp, device
         self._broken: str | None = None
+        self._shm, self._flag, self._out = None, None, None
         ctx = mp.get_context("spawn")
-        self._shm = shared_memory.SharedMemory(create=True, size=shm_size(tp))
-        self._flag = np.ndarray((1,), np.int64, self._shm.buf, 0)
-        self._flag[0] = 0
-        sems = [ctx.Semaphore(0) for _ in range(tp)]
+        if device == "cuda":
+            from .tp_gpu import nccl_unique_id
+            link = nccl_unique_id()
+        else:
+            self._shm = shared_memory.SharedMemory(create=True, size=shm_size(tp))
+            self._flag = np.ndarray((1,), np.int64, self._shm.buf, 0)
+            self._flag[0] = 0
+            link = (self._shm.name, [ctx.Semaphore(0) for _ in range(tp)])
+        self._out = shared_memory.SharedMemory(create=True, size=OUT_ROWS * self.hp.n_vocab * 4)
         self._conns, self._procs = [], []
         for rank in range(tp):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_rank_main, name=f"bitexact-tp{rank}", daemon=True,
-                            args=(model.path, tp, rank, n_ctx, self._shm.name, sems, child))
+                            args=(model.path, tp, rank, n_ctx, device, link, cuda_opts, self._out.name, child))
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
         try:
-            self.n_ctx = self._replies()
+            self.n_ctx, self._record = self._replies(startup=True)
         except BaseException:
             self.close()
             raise
+
+    def device_record(self) -> dict:
+        """Rank 0's GPU record (:meth:`node.backend_cuda.CudaBackend.device_record`) and the degree."""
+        return dict(self._record or {}, tensor_parallel=self.tp)
 
     @property
     def broken(self) -> str | None:
@@ -220,14 +272,26 @@ class TpEngine:
     def _break(self, why: str) -> BitexactError:
         """Mark the engine broken (and free ranks waiting at a gather); the error to raise."""
         self._broken = why
-        if self._flag is not None:
-            self._flag[0] = 1
+        self._abort_ranks()
         return BitexactError(f"{why}; the tensor-parallel engine must be restarted")
 
-    def _replies(self):
+    def _abort_ranks(self) -> None:
+        """Stop ranks waiting for a failed one: the shared-memory abort flag
+        (CPU), or killing the processes (GPU: NCCL waits without a timeout)."""
+        if self._flag is not None:
+            self._flag[0] = 1
+        elif self.device == "cuda":
+            for p in self._procs:
+                if p.is_alive():
+                    p.kill()
+
+    def _replies(self, startup: bool = False):
         """Every rank's reply to the last message: rank 0's result, the request
-        error all ranks raised, or a fault that breaks the engine."""
+        error all ranks raised, or a fault that breaks the engine. At
+        ``startup`` a rank's error stops the others (GPU ranks would wait for
+        it in NCCL's setup) and is raised."""
         replies: dict[int, tuple] = {}
+        first = None                                            # the first rank to die or fault
         try:
             while len(replies) < self.tp:
                 pending = {r: (self._conns[r], self._procs[r].sentinel) for r in range(self.tp) if r not in replies}
@@ -236,21 +300,29 @@ class TpEngine:
                     if conn in ready:
                         try:
                             replies[rank] = conn.recv()
+                            if startup and replies[rank][0] == "err" and first is None:
+                                first = replies[rank][1]
+                                self._abort_ranks()
+                            elif replies[rank][0] == "fault" and first is None:
+                                first = str(replies[rank][1])
+                                self._abort_ranks()
                             continue
-                        except EOFError:
+                        except (EOFError, OSError):                 # closed or reset by a killed rank
                             pass
                     elif sentinel not in ready:
                         continue
                     replies[rank] = ("dead", None)
-                    self._flag[0] = 1                                # ranks waiting for it stop waiting
+                    if first is None:
+                        first = f"tensor-parallel rank {rank} exited"
+                        self._abort_ranks()                     # ranks waiting for it stop waiting
         except BaseException:                                   # e.g. KeyboardInterrupt: replies left in the pipes
             self._break("interrupted while the ranks were working")
             raise
         kinds = [replies[r][0] for r in range(self.tp)]
-        if "dead" in kinds:
-            raise self._break(f"tensor-parallel rank {kinds.index('dead')} exited")
-        if "fault" in kinds:
-            raise self._break(str(next(replies[r][1] for r in range(self.tp) if kinds[r] == "fault")))
+        if isinstance(first, BaseException):
+            raise first
+        if first is not None:
+            raise self._break(first)
         if "err" in kinds:
             errs = {(type(replies[r][1]), str(replies[r][1])) for r in range(self.tp)}
             if "ok" in kinds or len(errs) != 1:
@@ -284,12 +356,21 @@ class TpEngine:
 
     def forward(self, chunks, all_logits: bool = False) -> list[np.ndarray]:
         """:meth:`node.engine.Engine.forward` on every rank; rank 0's logits."""
-        return self._call("forward", [(s, list(t)) for s, t in chunks], all_logits)
+        out = self._call("forward", [(s, list(t)) for s, t in chunks], all_logits)
+        if isinstance(out, tuple):                               # rank 0 wrote it into the shared block
+            flat = np.ndarray((sum(int(np.prod(s)) for s in out[1]),), np.float32, self._out.buf)
+            parts, off = [], 0
+            for shape in out[1]:
+                n = int(np.prod(shape))
+                parts.append(flat[off:off + n].reshape(shape).copy())
+                off += n
+            return parts
+        return out
 
     def close(self) -> None:
         """Stop the rank processes and free the shared memory (idempotent)."""
-        if self._flag is not None and self._broken:
-            self._flag[0] = 1
+        if self._broken:
+            self._abort_ranks()
         for conn, p in zip(self._conns, self._procs):
             if p.is_alive():
                 try:
@@ -307,3 +388,7 @@ class TpEngine:
             self._shm.close()
             self._shm.unlink()
             self._shm = None
+        if self._out is not None:
+            self._out.close()
+            self._out.unlink()
+            self._out = None

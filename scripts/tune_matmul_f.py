@@ -54,7 +54,7 @@ def time_variant(cp, fn, params, ns, k, x, wsets, reps=20):
     def launch(ws):
         fn(grid, (32 * warps,), (*ws, *[ws[0]] * pad, *ys, *[ys[0]] * pad,
                                  *(np.int32(n) for n in ns + [0] * pad), np.int32(2),
-                                 np.int32(lane_width(k, 2)), x, np.int32(m), np.int32(k)))
+                                 np.int32(lane_width(k, 2)), x, np.int32(m), np.int32(k), np.int32(32), np.int32(0)))
 
     launch(wsets[0])
     cp.cuda.runtime.deviceSynchronize()

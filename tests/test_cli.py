@@ -237,11 +237,13 @@ def _usable_gpu() -> bool:
 
 
 @pytest.mark.skipif(_usable_gpu(), reason="this machine has a usable GPU")
-@pytest.mark.parametrize("command", ["run", "verify"])
+@pytest.mark.parametrize("command", ["run", "verify", "serve"])
 def test_device_cuda_without_a_usable_gpu_is_one_error_line(art, cwd, command):
-    """--device cuda where CuPy is missing or sees no GPU: exit 2, one line, nothing written."""
-    args = ["--key", art.key, "--prompt", "hi", "--max-tokens", "1"] if command == "run" else [art.bxa]
-    p = bx(cwd, command, *args, "--device", "cuda")
+    """--device cuda where CuPy is missing or sees no GPU (for serve: GPU ranks,
+    --tp 2): exit 2, one line, nothing written."""
+    args = {"run": ["--key", art.key, "--prompt", "hi", "--max-tokens", "1"], "verify": [art.bxa],
+            "serve": ["--key", art.key, "--tp", "2", "--data-dir", "data"]}[command]
+    p = bx(cwd, command, *args, "--device", "cuda", timeout=120)
     line = assert_input_error(p)
     assert "CuPy" in line or "GPU" in line, line
     assert listing(cwd) == []
@@ -531,7 +533,6 @@ def test_usage_errors_are_one_line(tmp_path):
     (["--max-body-bytes", "-1"], "--max-body-bytes"),
     (["--max-tokens-cap", "0"], "--max-tokens-cap"),
     (["--tp", "3"], "tensor-parallel degree"),
-    (["--tp", "2", "--device", "cuda"], "--tp runs its ranks on the CPU"),
     (["--data-dir", "WRONG_STORE"], "attestation store"),
     (["--data-dir", "DIR_STORE"], "attestation store"),
     (["--data-dir", "RANDOM_STORE"], "attestation store"),
