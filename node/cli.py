@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N")
     s.add_argument("--ctx", type=int, metavar="N")
     s.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor-parallel degree 1, 2, 4 or 8: one rank process each (CPU)")
+                   help="tensor-parallel degree 1, 2, 4 or 8: one rank process each (cuda: rank r on GPU r)")
     s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("inspect", help="show every field of an attestation")

@@ -112,7 +112,7 @@ def test_tp_processes_bytes_equal_tp1(tmp_path):
     """TP 2 and 4 as rank processes that all-gather over shared memory give
     TP 1's bytes, chunked prefill and decode included; a fork is mirrored on
     every rank."""
-    from node.tp_runtime import TpEngine
+    from node.tp_runtime import OUT_ROWS, TpEngine
     model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, "Q8_0", seed=7))
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [100, 200, 299, 5, 6]]
     want = run(Engine(model, n_ctx=256), prompts, [64])
@@ -126,6 +126,10 @@ def test_tp_processes_bytes_equal_tp1(tmp_path):
             eng.forward([(a, prompts[0])])
             b = eng.fork(a, 4)
             assert (eng.length(a), eng.length(b)) == (7, 4)
+            long = [(7 * i) % 300 for i in range(OUT_ROWS + 6)]    # more logits rows than the shared block
+            one = Engine(model, n_ctx=256)
+            assert eng.forward([(eng.new_sequence(), long)], all_logits=True)[0].tobytes() == \
+                one.forward([(one.new_sequence(), long)], all_logits=True)[0].tobytes()
         finally:
             eng.close()
 
