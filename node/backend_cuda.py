@@ -183,7 +183,7 @@ class CudaBackend:
             page_bytes = 2 * hp.n_layer * self.page_floats * 4
             if kv_pages is None:
                 free = cp.cuda.runtime.memGetInfo()[0]
-                kv_pages = int(max(8, min(2048, 0.5 * free // page_bytes)))
+                kv_pages = self._agree_kv_pages(int(max(8, min(2048, 0.5 * free // page_bytes))))
             self.kv_pages = kv_pages
             shape = (hp.n_layer, kv_pages, hp.n_head_kv, SPLIT_KV, hp.head_dim)
             self.kp = cp.empty(shape, cp.float32)
@@ -198,6 +198,11 @@ class CudaBackend:
         self._graph_cache: dict[int, dict] = {}
         self._entry = None
         self._device_record = None
+
+    def _agree_kv_pages(self, n: int) -> int:
+        """KV pages to allocate when this GPU's free memory allows ``n`` (tensor-parallel
+        ranks take the smallest of all ranks', so their caches fill up alike)."""
+        return n
 
     def _mat(self, name: str, t) -> Mat | None:
         """Upload matrix ``name`` for the matmul kernels (a tensor-parallel rank uploads its shard)."""

@@ -63,6 +63,48 @@ def shard_mat(backend: CudaBackend, plan: ShardPlan, rank: int, name: str, t) ->
     return backend._upload(t, t.raw[:, s0 * unit:s1 * unit], t.rows, lanes, rank * lanes, b0 - s0 * per, b1 - b0)
 
 
+def _widths(plan: ShardPlan, name: str) -> list[int]:
+    """Columns of each rank's piece of ``name``: its rows, or all N for a row-parallel partial."""
+    if name.endswith(ROW_PARALLEL):
+        return [plan.model.tensors[name].rows] * plan.tp
+    return [b - a for a, b in plan.spans(name)]
+
+
+def pack_pieces(xp, plan: ShardPlan, names, m: int, rank: int, own: dict):
+    """The send buffer of rank ``rank``: its pieces (fp32 ``[m, width]``, from
+    ``own`` by name; absent ones are empty shards, +0) flattened in ``names``
+    order, padded with +0 to the longest rank's length. ``xp``: numpy or cupy."""
+    widths = [_widths(plan, n) for n in names]
+    count = max(sum(m * w[r] for w in widths) for r in range(plan.tp))
+    send = xp.zeros(count, xp.float32)
+    off = 0
+    for name, w in zip(names, widths):
+        n = m * w[rank]
+        if name in own:
+            send[off:off + n] = own[name].reshape(-1)
+        off += n
+    return send
+
+
+def unpack_pieces(xp, plan: ShardPlan, names, m: int, recv, combine) -> list:
+    """The products from the gathered send buffers ``recv`` fp32 ``[tp, count]``:
+    row-parallel partials added by ``combine`` (``tp_combine``, the tree's top
+    levels); column pieces written at their rows, as ``TpCpuBackend.assemble``
+    does (K/V ranges of ranks sharing a KV head overlap; they hold the same bytes)."""
+    if len(names) == 1 and names[0].endswith(ROW_PARALLEL):
+        return [combine(recv.reshape(plan.tp, m, -1))]
+    out, offs = [], [0] * plan.tp
+    for name in names:
+        y = xp.empty((m, plan.model.tensors[name].rows), xp.float32)
+        for r, (a, b) in enumerate(plan.spans(name)):
+            n = m * (b - a)
+            if n:
+                y[:, a:b] = recv[r, offs[r]:offs[r] + n].reshape(m, b - a)
+            offs[r] += n
+        out.append(y)
+    return out
+
+
 class CudaRankBackend(CudaBackend):
     """:class:`node.backend_cuda.CudaBackend` of tensor-parallel rank ``rank`` of ``tp`` on GPU ``rank``.
 
@@ -78,7 +120,6 @@ class CudaRankBackend(CudaBackend):
             raise GpuError(f"tensor-parallel degree {tp} needs {tp} GPUs; {cp.cuda.runtime.getDeviceCount()} visible")
         cp.cuda.Device(rank).use()
         self.plan, self.tp, self.rank = ShardPlan(model, tp), tp, rank
-        super().__init__(model, **opts)
         # NVLink SHARP (NVLS) only accelerates reductions in the switch, which we
         # never ask NCCL for; it stays off (multicast objects are a shared resource).
         os.environ["NCCL_NVLS_ENABLE"] = "0"
@@ -88,49 +129,35 @@ class CudaRankBackend(CudaBackend):
             self.comm = nccl.NcclCommunicator(tp, nccl_id, rank)
         except Exception as e:  # noqa: BLE001
             raise GpuError(f"tensor-parallel rank {rank}: NCCL could not start: {e}") from None
+        super().__init__(model, **opts)
+
+    def _all_gather(self, send):
+        """fp32 ``[count]`` from every rank -> fp32 ``[tp, count]`` in rank order (bytes only)."""
+        recv = self.cp.empty((self.tp, send.size), send.dtype)
+        kind = self._nccl.NCCL_FLOAT32 if send.dtype == self.cp.float32 else self._nccl.NCCL_INT32
+        self.comm.allGather(send.data.ptr, recv.data.ptr, send.size, kind, self.stream.ptr)
+        return recv
+
+    def _agree_kv_pages(self, n: int) -> int:
+        with self.stream:
+            pages = self._all_gather(self.cp.asarray([n], self.cp.int32))
+            return int(pages.min())
 
     def _mat(self, name: str, t) -> Mat | None:
         return shard_mat(self, self.plan, self.rank, name, t)
 
-    def _width(self, name: str, r: int) -> int:
-        """Columns of rank ``r``'s piece of ``name``: its rows, or all N for a row-parallel partial."""
-        if name.endswith(ROW_PARALLEL):
-            return self.model.tensors[name].rows
-        a, b = self.plan.spans(name)[r]
-        return b - a
-
     def linears(self, x, names):
         """As :meth:`CudaBackend.linears`, each product computed as this rank's piece,
-        all-gathered and assembled (module docstring). A row-parallel matrix comes alone."""
+        all-gathered and assembled (:func:`pack_pieces`, :func:`unpack_pieces`).
+        A row-parallel matrix comes alone."""
         cp = self.cp
         m = (x.data if isinstance(x, LaneMajor) else x).shape[0]
-        row_parallel = any(n.endswith(ROW_PARALLEL) for n in names)
-        if row_parallel and len(names) != 1:
+        if any(n.endswith(ROW_PARALLEL) for n in names) and len(names) != 1:
             raise ValueError(f"a row-parallel product is computed alone, got {names}")
         live = [n for n in names if self._mats[n] is not None]
         own = dict(zip(live, super().linears(x, live))) if live else {}
-        pieces = [own[n] if n in own else cp.zeros((m, self._width(n, self.rank)), cp.float32) for n in names]
-        sizes = [[m * self._width(n, r) for n in names] for r in range(self.tp)]
-        count = max(sum(s) for s in sizes)
-        send = cp.zeros(count, cp.float32)
-        off = 0
-        for p in pieces:
-            send[off:off + p.size] = p.reshape(-1)
-            off += p.size
-        recv = cp.empty((self.tp, count), cp.float32)
-        self.comm.allGather(send.data.ptr, recv.data.ptr, count, self._nccl.NCCL_FLOAT32, self.stream.ptr)
-        if row_parallel:
-            return [self.launch_tp_combine(recv.reshape(self.tp, m, -1))]
-        out, offs = [], [0] * self.tp
-        for i, name in enumerate(names):
-            cols = []
-            for r in range(self.tp):
-                w = sizes[r][i] // m if m else 0
-                if w:
-                    cols.append(recv[r, offs[r]:offs[r] + sizes[r][i]].reshape(m, w))
-                offs[r] += sizes[r][i]
-            out.append(cp.ascontiguousarray(cp.concatenate(cols, axis=1)))
-        return out
+        recv = self._all_gather(pack_pieces(cp, self.plan, names, m, self.rank, own))
+        return unpack_pieces(cp, self.plan, names, m, recv, self.launch_tp_combine)
 
     def close(self) -> None:
         """Free the NCCL communicator."""

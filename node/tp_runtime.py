@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import signal
+import time
 from multiprocessing import shared_memory
 from multiprocessing.connection import wait
 
@@ -35,6 +36,7 @@ SLOT_FLOATS = 1 << 20   # fp32 values each rank can publish per round (4 MiB)
 POLL_S = 0.05           # how often a rank waiting at a gather looks at the abort flag
 HEADER = 8              # bytes before the slots: the abort flag (int64)
 OUT_ROWS = 64           # logits rows rank 0 hands back through shared memory (larger results: the pipe)
+ERR_GRACE_S = 10.0      # after one rank's request error, how long the others have to report theirs
 
 
 class GatherAborted(RuntimeError):
@@ -236,25 +238,25 @@ class TpEngine:
         self.model, self.hp, self.tp, self.device = model, model.hparams, tp, device
         self._broken: str | None = None
         self._shm, self._flag, self._out = None, None, None
-        ctx = mp.get_context("spawn")
-        if device == "cuda":
-            from .tp_gpu import nccl_unique_id
-            link = nccl_unique_id()
-        else:
-            self._shm = shared_memory.SharedMemory(create=True, size=shm_size(tp))
-            self._flag = np.ndarray((1,), np.int64, self._shm.buf, 0)
-            self._flag[0] = 0
-            link = (self._shm.name, [ctx.Semaphore(0) for _ in range(tp)])
-        self._out = shared_memory.SharedMemory(create=True, size=OUT_ROWS * self.hp.n_vocab * 4)
         self._conns, self._procs = [], []
-        for rank in range(tp):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, name=f"bitexact-tp{rank}", daemon=True,
-                            args=(model.path, tp, rank, n_ctx, device, link, cuda_opts, self._out.name, child))
-            p.start()
-            self._conns.append(parent)
-            self._procs.append(p)
+        ctx = mp.get_context("spawn")
         try:
+            if device == "cuda":
+                from .tp_gpu import nccl_unique_id
+                link = nccl_unique_id()
+            else:
+                self._shm = shared_memory.SharedMemory(create=True, size=shm_size(tp))
+                self._flag = np.ndarray((1,), np.int64, self._shm.buf, 0)
+                self._flag[0] = 0
+                link = (self._shm.name, [ctx.Semaphore(0) for _ in range(tp)])
+            self._out = shared_memory.SharedMemory(create=True, size=OUT_ROWS * self.hp.n_vocab * 4)
+            for rank in range(tp):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_rank_main, name=f"bitexact-tp{rank}", daemon=True,
+                                args=(model.path, tp, rank, n_ctx, device, link, cuda_opts, self._out.name, child))
+                p.start()
+                self._conns.append(parent)
+                self._procs.append(p)
             self.n_ctx, self._record = self._replies(startup=True)
         except BaseException:
             self.close()
@@ -289,13 +291,24 @@ class TpEngine:
         """Every rank's reply to the last message: rank 0's result, the request
         error all ranks raised, or a fault that breaks the engine. At
         ``startup`` a rank's error stops the others (GPU ranks would wait for
-        it in NCCL's setup) and is raised."""
+        it in NCCL's setup) and is raised. After a step's request error the
+        others have :data:`ERR_GRACE_S` to report theirs: ranks raise request
+        errors alike before any gather, so a rank still silent then waits at a
+        gather for the failed one (e.g. an out-of-memory on one GPU), and the
+        ranks are stopped."""
         replies: dict[int, tuple] = {}
         first = None                                            # the first rank to die or fault
+        deadline = None                                         # set by the first request error
         try:
             while len(replies) < self.tp:
                 pending = {r: (self._conns[r], self._procs[r].sentinel) for r in range(self.tp) if r not in replies}
-                ready = set(wait([h for pair in pending.values() for h in pair]))
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready = set(wait([h for pair in pending.values() for h in pair], timeout=left))
+                if not ready and first is None:
+                    first = (f"tensor-parallel ranks {sorted(pending)} did not answer after another rank's "
+                             f"error ({next(str(v[1]) for v in replies.values() if v[0] == 'err')})")
+                    self._abort_ranks()
+                    deadline = None                             # now wait for the stopped ranks to report
                 for rank, (conn, sentinel) in pending.items():
                     if conn in ready:
                         try:
@@ -303,6 +316,8 @@ class TpEngine:
                             if startup and replies[rank][0] == "err" and first is None:
                                 first = replies[rank][1]
                                 self._abort_ranks()
+                            elif replies[rank][0] == "err" and deadline is None:
+                                deadline = time.monotonic() + ERR_GRACE_S
                             elif replies[rank][0] == "fault" and first is None:
                                 first = str(replies[rank][1])
                                 self._abort_ranks()

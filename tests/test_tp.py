@@ -13,7 +13,7 @@ from node.engine import Engine
 from node.errors import ModelError
 from node.gguf_model import default_model_path, load_model
 from node.synth import write_model
-from node.tp import ShardPlan, k_shards
+from node.tp import ShardPlan, TpCpuBackend, k_shards
 
 F32 = np.float32
 SHAPE = (512, 2, 8, 4, 1024, 300)     # n_embd, layers, heads, KV heads, FFN, vocab: 8 heads split over 8 ranks
@@ -243,5 +243,55 @@ def test_tp_processes_break_cleanly_on_a_mid_gather_death_or_interrupt():
             eng.length(12345)
         with pytest.raises(BitexactError, match="must be restarted"):
             eng.new_sequence()
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_gpu_gather_layout_assembles_like_the_numpy_ranks(tmp_path, tp):
+    """The GPU ranks' send buffers (``pack_pieces``), gathered in rank order and
+    unpacked (``unpack_pieces``), give the numpy engine's products byte for byte:
+    uneven and empty shards, and K/V row ranges that overlap where ranks share a
+    KV head (9 query heads over 3 KV heads, as SmolLM2)."""
+    from node.tp_gpu import pack_pieces, unpack_pieces
+    model = load_model(write_model(str(tmp_path / "m.gguf"), (576, 1, 9, 3, 1536, 300), "Q4_1", seed=3))
+    cpu = TpCpuBackend(model, tp)
+    kv = cpu.plan.spans("blk.0.attn_k.weight")
+    rng = np.random.default_rng(tp)
+    groups = [("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"),
+              ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"), ("blk.0.attn_output.weight",),
+              ("blk.0.ffn_down.weight",), (model.output.name,)]
+    for names in groups:
+        x = rng.standard_normal((5, model.tensors[names[0]].cols)).astype(np.float32)
+        sends = []
+        for r in range(tp):
+            own = {n: cpu.piece(x, n, r) for n in names if cpu.plan.spans(n)[r][0] != cpu.plan.spans(n)[r][1]}
+            sends.append(pack_pieces(np, cpu.plan, names, 5, r, own))
+        got = unpack_pieces(np, cpu.plan, names, 5, np.stack(sends), ref.tp_combine)
+        for name, w, g in zip(names, cpu.linears(x, names), got):
+            assert w.tobytes() == g.tobytes(), f"TP {tp} {name}"
+    if tp == 4:
+        assert any(a[1] > b[0] for a, b in zip(kv, kv[1:]) if b[1] > b[0])   # overlapping KV ranges exercised
+
+
+def test_a_request_error_on_one_rank_only_stops_the_others(tmp_path, monkeypatch):
+    """If one rank raises a request error while another waits at a gather (on
+    GPUs: an out-of-memory on one device), the call fails once the others
+    stay silent for ERR_GRACE_S, and the engine is broken instead of hanging."""
+    from node import tp_runtime
+    from node.errors import BitexactError
+    monkeypatch.setattr(tp_runtime, "ERR_GRACE_S", 1.0)
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, "Q8_0", seed=7))
+    eng = tp_runtime.TpEngine(model, 2, n_ctx=256)
+    try:
+        seq = eng.new_sequence()
+        eng._conns[0].send(("forward", ([(seq, [1, 2, 3])], False)))                     # gathers, waits for rank 1
+        eng._conns[1].send(("forward", ([(seq, [model.hparams.n_vocab])], False)))      # refuses the token id
+        t0 = time.monotonic()
+        with pytest.raises(BitexactError, match="did not answer"):
+            eng._replies()
+        assert time.monotonic() - t0 < 30 and eng.broken
+        with pytest.raises(BitexactError, match="restarted"):
+            eng.length(seq)
     finally:
         eng.close()
