@@ -83,13 +83,15 @@ def _need(n):
         pytest.skip(f"needs {n} GPUs, {gpu_count()} visible")
 
 
-@pytest.mark.parametrize("qtype", ["BF16", "Q4_K", "Q8_0"])
-def test_tp_engine_on_gpus_equals_one_gpu_and_cpu(models, qtype):
+@pytest.mark.parametrize("qtype", ["BF16", "Q4_K", "Q8_0", "Q4_1-smollm2"])
+def test_tp_engine_on_gpus_equals_one_gpu_and_cpu(models, tmp_path, qtype):
     """TP 2 (and 4, 8 where there are GPUs): logits of chunked prefill and
-    decode steps equal the single-GPU and CPU engines' bytes."""
+    decode steps equal the single-GPU and CPU engines' bytes. The SmolLM2-like
+    case (9 query heads over 3 KV heads) has ranks sharing a KV head."""
     from node.tp_runtime import TpEngine
     _need(2)
-    model = models[qtype]
+    model = models.get(qtype) or load_model(write_model(str(tmp_path / "s.gguf"), (576, 2, 9, 3, 1536, 300),
+                                                         "Q4_1", seed=9))
     prompts = [list(np.random.default_rng(i).integers(0, 300, n)) for i, n in enumerate((7, 1, 30))]
 
     def logits(eng):
