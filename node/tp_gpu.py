@@ -9,8 +9,9 @@ down), which ``matmul_q`` / ``matmul_f`` reduce over the lowest
 ``log2(32/T)`` butterfly levels. Each product's pieces are all-gathered with
 NCCL, which only moves bytes (``ncclAllGather``; an all-reduce would add in
 an order NCCL picks from the message size and topology), and assembled on
-every rank: column pieces side by side, row-parallel partials by the
-``tp_combine`` kernel (the tree's top levels). RMSNorm, RoPE, attention and
+every rank (:func:`pack_pieces`, :func:`unpack_pieces`): column pieces at
+their rows, row-parallel partials by the ``tp_combine`` kernel (the tree's
+top levels). RMSNorm, RoPE, attention and
 the residual stream run on every rank alike, so every rank holds the same
 activations and its logits are the bytes of ``T = 1``.
 
