@@ -379,10 +379,20 @@ def test_group_readable_key_refused(key, tmp_path):
     assert p.returncode == 2 and "readable by group or others" in p.stderr and "Traceback" not in p.stderr
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="--tp runs its ranks on the CPU")
+def _gpu_count() -> int:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+@pytest.mark.skipif(DEVICE == "cuda" and _gpu_count() < 2, reason="GPU ranks need two GPUs")
 def test_serve_with_tp_rank_processes_gives_the_solo_digests(key, tmp_path, solo):
-    """`serve --tp 2`: two rank processes; concurrent requests (greedy, sampled,
-    streamed) get the digests of the one-process engine; SIGTERM stops the ranks."""
+    """`serve --tp 2`: two rank processes (on the CPU, or on two GPUs with
+    BITEXACT_TEST_DEVICE=cuda); concurrent requests (greedy, sampled, streamed)
+    get the digests of the one-process engine; a killed rank gives 500 and a
+    503 health check; SIGTERM stops the ranks."""
     d = Daemon(key, str(tmp_path / "data"), "--tp", "2", "--max-batch", "8")
     try:
         kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(d.proc.pid)], capture_output=True,
