@@ -103,29 +103,34 @@ def cmd_serve(args) -> int:
 
 def _serve(args, tok, key, engine) -> None:
     import logging
+    import socket
     import sqlite3
 
     from aiohttp import web
 
     from .daemon import Node, make_app
 
+    try:   # listen first: a bad address or a busy port fails before the store is created
+        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((args.host, args.port), family=family)
+    except OSError as e:
+        raise BitexactError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     try:
         node = Node(engine, tok, key, args.data_dir, args.max_batch, args.max_queue,
                     max_tokens_cap=min(args.max_tokens_cap, engine.n_ctx), pin=args.pin)
     except OSError as e:
+        sock.close()
         raise BitexactError(f"cannot open the data folder {args.data_dir}: {e.strerror}") from None
     except sqlite3.Error as e:
+        sock.close()
         raise BitexactError(f"cannot open the attestation store in {args.data_dir}: {e}") from None
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tp = f" (tensor parallel: {args.tp} rank processes{' on as many GPUs' if engine.device == 'cuda' else ''})" \
         if args.tp != 1 else ""
     banner = (f"bitexact serve: {node.model_id} on {engine.device}{tp}, key id {node.key_id}, "
               f"http://{args.host}:{args.port}")
-    try:   # the banner is printed once the socket is bound
-        web.run_app(make_app(node, args.max_body_bytes), host=args.host, port=args.port, shutdown_timeout=30,
-                    print=lambda _: print(banner, flush=True), access_log=None)
-    except OSError as e:
-        raise BitexactError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    web.run_app(make_app(node, args.max_body_bytes), sock=sock, shutdown_timeout=30,
+                print=lambda _: print(banner, flush=True), access_log=None)
 
 
 def cmd_run(args) -> int:

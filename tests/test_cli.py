@@ -553,15 +553,18 @@ def test_serve_rejects_bad_options_and_foreign_stores(art, tmp_path, args, needl
     assert needle in assert_input_error(p)
 
 
-def test_serve_on_a_busy_port_fails_cleanly_without_a_banner(art, tmp_path):
+@pytest.mark.parametrize("where", ["busy port", "bad host"])
+def test_serve_that_cannot_listen_fails_cleanly_without_a_banner_or_a_store(art, tmp_path, where):
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        p = bx(tmp_path, "serve", "--key", art.key, "--device", "cpu", "--port", s.getsockname()[1],
-               "--data-dir", tmp_path / "data", timeout=120)
+        addr = ["--port", s.getsockname()[1]] if where == "busy port" else ["--host", "256.1.1.1"]
+        p = bx(tmp_path, "serve", "--key", art.key, "--device", "cpu", *addr, "--data-dir", tmp_path / "data",
+               timeout=120)
     assert "cannot listen" in assert_input_error(p)
     assert "bitexact serve:" not in p.stdout
+    assert not (tmp_path / "data").exists()          # exit 2 writes nothing: the store is opened after listening
 
 
 def test_inspect_json_and_verify_refuse_a_signed_nan(art, tmp_path):
