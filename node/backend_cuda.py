@@ -259,7 +259,8 @@ class CudaBackend:
         """Matrices of one fused launch: at most three with one K and one shard of it;
         returns (matrices, their N padded to three)."""
         ms = [self._mats[n] for n in names]
-        _check(1 <= len(ms) <= 3 and len({m[3:] for m in ms}) == 1, f"fused matmul of {names}: 1-3 matrices, one K")
+        shard = {(m.k, m.lanes, m.lane0, m.b_off, m.terms) for m in ms}
+        _check(1 <= len(ms) <= 3 and len(shard) == 1, f"fused matmul of {names}: 1-3 matrices, one K and shard")
         _check(all(m.rows > 0 for m in ms), f"fused matmul of {names}: no empty matrix")
         return ms, [m.rows for m in ms] + [0] * (3 - len(ms))
 

@@ -20,6 +20,11 @@ from .rope_table import rope_table
 from .tp import check_degree
 
 
+def default_n_ctx(hp) -> int:
+    """Context length in tokens when none is given: the model's training context, at most 8192."""
+    return min(hp.n_ctx_train, 8192)
+
+
 class Engine:
     """Forward pass of a loaded :class:`~node.gguf_model.Model` on one backend.
 
@@ -44,7 +49,7 @@ class Engine:
         self.hp = hp = model.hparams
         if n_ctx is not None and not (type(n_ctx) is int and 1 <= n_ctx <= 1 << 20):
             raise RequestError(f"the context length must be an integer in [1, 2**20], got {n_ctx!r}")
-        self.n_ctx = n_ctx or min(hp.n_ctx_train, 8192)
+        self.n_ctx = n_ctx or default_n_ctx(hp)
         check_degree(tp)
         if backend is not None:                 # a tensor-parallel rank's backend (node.tp_runtime)
             self.backend = backend
@@ -55,7 +60,7 @@ class Engine:
             from .backend_cpu import CpuBackend
             self.backend = CpuBackend(model)
         elif device == "cuda" and tp != 1:
-            raise RequestError(f"the CUDA engine runs one GPU in this version: tp must be 1, got {tp!r}")
+            raise RequestError(f"Engine(tp={tp!r}) emulates ranks on the CPU; GPU ranks run in node.tp_runtime.TpEngine")
         elif device == "cuda":
             from .backend_cuda import CudaBackend
             self.backend = CudaBackend(model, n_ctx=self.n_ctx, **cuda_opts)

@@ -134,14 +134,13 @@ class CudaRankBackend(CudaBackend):
 
     def _all_gather(self, send):
         """fp32 ``[count]`` from every rank -> fp32 ``[tp, count]`` in rank order (bytes only)."""
-        recv = self.cp.empty((self.tp, send.size), send.dtype)
-        kind = self._nccl.NCCL_FLOAT32 if send.dtype == self.cp.float32 else self._nccl.NCCL_INT32
-        self.comm.allGather(send.data.ptr, recv.data.ptr, send.size, kind, self.stream.ptr)
+        recv = self.cp.empty((self.tp, send.size), self.cp.float32)
+        self.comm.allGather(send.data.ptr, recv.data.ptr, send.size, self._nccl.NCCL_FLOAT32, self.stream.ptr)
         return recv
 
     def _agree_kv_pages(self, n: int) -> int:
         with self.stream:
-            pages = self._all_gather(self.cp.asarray([n], self.cp.int32))
+            pages = self._all_gather(self.cp.asarray([n], self.cp.float32))     # exact: n <= 2048
             return int(pages.min())
 
     def _mat(self, name: str, t) -> Mat | None:

@@ -27,7 +27,7 @@ from multiprocessing.connection import wait
 
 import numpy as np
 
-from .engine import Engine
+from .engine import Engine, default_n_ctx
 from .errors import BitexactError
 from .gguf_model import Model, load_model
 from .tp import ShardPlan, TpCpuBackend, check_degree
@@ -143,7 +143,7 @@ def _rank_engine(path: str, tp: int, rank: int, n_ctx, device: str, link, cuda_o
     model = load_model(path)
     if device == "cuda":
         from .tp_gpu import CudaRankBackend
-        be = CudaRankBackend(model, tp, rank, link, n_ctx=n_ctx or min(model.hparams.n_ctx_train, 8192),
+        be = CudaRankBackend(model, tp, rank, link, n_ctx=n_ctx or default_n_ctx(model.hparams),
                              **cuda_opts)
         return Engine(model, "cuda", n_ctx, backend=be), be
     shm_name, sems = link

@@ -65,27 +65,33 @@ def graph_replay_ms(be, batch: int, n: int) -> float:
     return cp.cuda.get_elapsed_time(start, end) / n
 
 
+def time_decode(eng, b: int, steps: int, out: dict) -> None:
+    """Decode ``b`` sequences (8-token prefill, one warm-up step that captures the
+    bucket's graph, ``steps`` timed steps, each returning host logits); records
+    tokens/s and ms per step under ``out``, then releases the sequences."""
+    seqs = [eng.new_sequence() for _ in range(b)]
+    eng.forward([(s, [1, 2, 3, 4, 5, 6, 7, 8]) for s in seqs])
+    eng.forward([(s, [9]) for s in seqs])
+    t0 = time.perf_counter()
+    for i in range(steps):
+        eng.forward([(s, [10 + i]) for s in seqs])
+    dt = (time.perf_counter() - t0) / steps
+    out.setdefault("decode_tok_s", {})[b] = round(b / dt, 1)
+    out.setdefault("decode_ms_step", {})[b] = round(dt * 1e3, 3)
+    for s in seqs:
+        eng.release(s)
+
+
 def bench_bitexact(model, steps: int = 32) -> dict:
     import cupy as cp
 
     from node.engine import Engine
 
     eng = Engine(model, "cuda", n_ctx=2048, pin=None)
-    out = {"decode_tok_s": {}, "decode_ms_step": {}}
+    out = {}
     for b in BATCHES:
-        seqs = [eng.new_sequence() for _ in range(b)]
-        eng.forward([(s, [1, 2, 3, 4, 5, 6, 7, 8]) for s in seqs])
-        eng.forward([(s, [9]) for s in seqs])          # capture the bucket's graph
-        cp.cuda.runtime.deviceSynchronize()
-        t0 = time.perf_counter()
-        for i in range(steps):
-            eng.forward([(s, [10 + i]) for s in seqs])
-        dt = (time.perf_counter() - t0) / steps
-        out["decode_tok_s"][b] = round(b / dt, 1)
-        out["decode_ms_step"][b] = round(dt * 1e3, 3)
+        time_decode(eng, b, steps, out)
         out.setdefault("decode_gpu_ms_step", {})[b] = round(graph_replay_ms(eng.backend, b, steps), 3)
-        for s in seqs:
-            eng.release(s)
     s = eng.new_sequence()
     toks = np.random.default_rng(0).integers(0, model.hparams.n_vocab, 1024).tolist()
     eng.forward([(s, toks[:16])])
@@ -253,20 +259,10 @@ def bench_bitexact_tp(model, tp: int, steps: int = 16, batches=(1, 32)) -> dict:
 
     eng = Engine(model, "cuda", n_ctx=2048, pin=None) if tp == 1 else \
         TpEngine(model, tp, n_ctx=2048, device="cuda", pin=None, kv_pages=64)
-    out = {"decode_tok_s": {}, "decode_ms_step": {}}
+    out = {}
     try:
         for b in batches:
-            seqs = [eng.new_sequence() for _ in range(b)]
-            eng.forward([(s, [1, 2, 3, 4, 5, 6, 7, 8]) for s in seqs])
-            eng.forward([(s, [9]) for s in seqs])
-            t0 = time.perf_counter()
-            for i in range(steps):
-                eng.forward([(s, [10 + i]) for s in seqs])
-            dt = (time.perf_counter() - t0) / steps
-            out["decode_tok_s"][b] = round(b / dt, 1)
-            out["decode_ms_step"][b] = round(dt * 1e3, 3)
-            for s in seqs:
-                eng.release(s)
+            time_decode(eng, b, steps, out)
     finally:
         if tp != 1:
             eng.close()
