@@ -338,9 +338,10 @@ def test_ten_thousand_runs_one_digest(default_model):
     assert digests == {link.hex()}
 
 
-def test_graph_replay_equals_eager(models):
+@pytest.mark.parametrize("qtype", ["Q4_K", "BF16"])
+def test_graph_replay_equals_eager(models, qtype):
     """Decode steps replayed through CUDA graphs (padded buckets) equal eager launches."""
-    model = models["Q4_K"]
+    model = models[qtype]
     rng = np.random.default_rng(3)
     outs = []
     for graphs in (True, False):
