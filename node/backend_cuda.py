@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import BitexactError
+from .errors import BitexactError, NumericFault
 from .gguf_model import FLOAT_TYPES, Model, float_values
 from .kernels import COMPILE_OPTIONS
 from .reference import SPLIT_KV, WARP, lane_major, lane_terms, lane_width
@@ -161,7 +161,7 @@ class CudaBackend:
                 ("matmul.cu", ("quantize_q8", "matmul_q", "lane_major", "matmul_f")), ("norm.cu", ("rms_norm",)),
                 ("rope.cu", ("rope",)), ("attention.cu", ("kv_store", "attention_split", "attention_combine")),
                 ("activation.cu", ("silu_gate",)), ("residual.cu", ("residual_add",)), ("embed.cu", ("embed",)),
-                ("sampler.cu", ("argmax",)), ("tp.cu", ("tp_combine",))) for n in names}
+                ("sampler.cu", ("argmax", "sample_keys", "sample_sorted")), ("tp.cu", ("tp_combine",))) for n in names}
             for n in ("rms_norm", "attention_split"):
                 self.k[n].max_dynamic_shared_size_bytes = MAX_SMEM
             # Float matrices are kept lane-major for matmul_f (token_embd stays
@@ -420,6 +420,56 @@ class CudaBackend:
         nan = cp.empty((r,), cp.int32)
         self.k["argmax"]((r,), (256,), (logits, out, nan, np.int32(r), np.int32(v)))
         return out, nan
+
+    def launch_sample_keys(self, logits, temps):
+        """Sort keys of fp32 logits ``[R, V]`` at fp32 temperatures ``temps [R]`` (> 0):
+        uint64 keys ``[R, V]`` (node/sampler.py sample_keys per row) and int32
+        ``bad [R]``, 1 where some ``logits / T`` of the row is not finite."""
+        cp = self.cp
+        r, v = logits.shape
+        _check(logits.dtype == cp.float32 and logits.flags.c_contiguous and 0 < v < 2 ** 31
+               and temps.shape == (r,) and temps.dtype == cp.float32, "sample_keys logits fp32 [R, V], temps [R]")
+        keys = cp.empty((r, v), cp.uint64)
+        bad = cp.zeros(r, cp.int32)
+        self.k["sample_keys"](((r * v + 255) // 256,), (256,), (logits, temps, keys, bad, np.int32(r), np.int32(v)))
+        return keys, bad
+
+    def launch_sample_sorted(self, logits, keys, params, positions):
+        """Draws of node/sampler.py sample_sorted for each row of fp32 logits ``[R, V]``
+        and its ascending keys ``[R, V]``; ``params``: R :class:`SamplingParams` with
+        temperature > 0; ``positions``: R sequence positions (the PRNG counters).
+        Returns int32 token ids ``[R]`` (device)."""
+        cp = self.cp
+        r, v = logits.shape
+        _check(keys.shape == (r, v) and keys.dtype == cp.uint64 and keys.flags.c_contiguous, "sample_sorted keys")
+        _check(len(params) == r == len(positions) and all(p.temperature > 0 for p in params),
+               "sample_sorted: one non-greedy SamplingParams and one position per row")
+        def col(vals, dt):
+            return cp.asarray(np.array(vals, dt))
+
+        seed = np.array([(p.seed & 0xFFFFFFFF, p.seed >> 32) for p in params], np.uint32)
+        out = cp.empty(r, cp.int32)
+        self.k["sample_sorted"]((r,), (256,), (
+            logits, keys, col([p.temperature for p in params], np.float32), col([p.top_k for p in params], np.int32),
+            col([p.top_p for p in params], np.float32), cp.asarray(seed),
+            col([q & 0xFFFFFFFF for q in positions], np.uint32), cp.empty((r, v), cp.float32), out,
+            np.int32(r), np.int32(v)))
+        return out
+
+    def sample(self, logits, params, positions):
+        """Seeded top-k/top-p on the device, the twin of node/sampler.py ``sample`` for
+        temperature > 0: ``sample_keys``, a sort of each row's keys (CuPy; keys are
+        unique, so every correct sort gives one order), ``sample_sorted``.
+        ``logits`` fp32 ``[R, V]`` (device); returns int32 token ids ``[R]`` (device).
+        Raises :class:`NumericFault` when ``logits / temperature`` of a row is not finite.
+        """
+        cp = self.cp
+        keys, bad = self.launch_sample_keys(logits, cp.asarray(np.array([p.temperature for p in params], np.float32)))
+        out = self.launch_sample_sorted(logits, cp.sort(keys, axis=1), params, positions)
+        bad = self.to_host(bad)
+        if bad.any():
+            raise NumericFault(f"logits / temperature overflow fp32 in row {int(bad.argmax())}")
+        return out
 
     def launch_tp_combine(self, partials):
         """fp32 partials [T, M, N] of a row-parallel product (rank order) -> fp32 [M, N]."""

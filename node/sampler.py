@@ -72,28 +72,52 @@ class SamplingParams:
             raise RequestError(f"seed must be in [0, 2**64), got {self.seed}", "seed")
 
 
-def sample(logits: np.ndarray, params: SamplingParams, pos: int) -> int:
-    """Pick the next token id from fp32 logits ``[n_vocab]``.
+def sample_keys(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """Sort keys of the candidates for fp32 logits ``[n_vocab]``; uint64 ``[n_vocab]``.
 
-    Greedy: the lowest id among the maxima. Otherwise: ``z = logits / T``;
-    candidates ordered by (z descending, id ascending); the first ``top_k``
-    kept; ``e = exp32(z - z_max)``; ``c = sequential prefix sums of e``; keep
-    the shortest prefix with ``c_j >= top_p * c_last``; draw ``u`` for ``pos``;
-    return the first candidate with ``c_j > u * c_J`` (``c_J`` the kept total).
+    ``z = logits / T`` in fp32. Key of id ``i``: high word the complement of
+    the order-preserving bits of ``z_i + 0`` (``+ 0`` makes -0 equal +0), low
+    word ``i``; so ascending keys order candidates by (z descending, id
+    ascending), and no two keys are equal. Twin of cuda/sampler.cu sample_keys.
+    Raises :class:`NumericFault` when some ``z`` is not finite.
     """
-    if params.temperature == 0.0:
-        return int(np.argmax(logits))
     with np.errstate(over="ignore"):
-        z = logits.astype(F32) / F32(params.temperature)
+        z = logits.astype(F32) / F32(temperature)
     if not np.isfinite(z).all():
-        raise NumericFault(f"logits / temperature {params.temperature} overflow fp32")
-    order = np.lexsort((np.arange(z.size), -z))
-    if params.top_k:
-        order = order[: params.top_k]
-    zs = z[order]
+        raise NumericFault(f"logits / temperature {temperature} overflow fp32")
+    b = (z + F32(0.0)).view(np.uint32)
+    asc = np.where(b >> np.uint32(31), ~b, b | np.uint32(0x80000000))
+    return ((~asc).astype(np.uint64) << np.uint64(32)) | np.arange(z.size, dtype=np.uint64)
+
+
+def sample_sorted(logits: np.ndarray, keys: np.ndarray, params: SamplingParams, pos: int) -> int:
+    """The seeded draw over candidates in ascending key order (``keys``: the sorted
+    :func:`sample_keys`). The first ``top_k`` (0: all) are kept;
+    ``e = exp32(z - z_first)``; ``c`` = sequential fp32 prefix sums of ``e``;
+    keep the shortest prefix with ``c_j >= top_p * c_last``; draw ``u`` for
+    ``pos``; return the id of the first kept candidate with ``c_j > u * c_J``
+    (``c_J`` the kept total; the last kept one if none).
+    Twin of cuda/sampler.cu sample_sorted.
+    """
+    ids = (keys & np.uint64(_MASK)).astype(np.int64)
+    n = params.top_k if 0 < params.top_k < ids.size else ids.size
+    ids = ids[:n]
+    zs = logits[ids].astype(F32) / F32(params.temperature)
     e = exp32(zs - zs[0])
     c = np.add.accumulate(e, dtype=F32)
     keep = int(np.searchsorted(c >= F32(params.top_p) * c[-1], True)) + 1
     target = uniform(params.seed, pos) * c[keep - 1]
     j = int(np.argmax(c[:keep] > target)) if (c[:keep] > target).any() else keep - 1
-    return int(order[j])
+    return int(ids[j])
+
+
+def sample(logits: np.ndarray, params: SamplingParams, pos: int) -> int:
+    """Pick the next token id from fp32 logits ``[n_vocab]``.
+
+    Greedy: the lowest id among the maxima. Otherwise
+    :func:`sample_sorted` over the sorted :func:`sample_keys`. Raises
+    :class:`NumericFault` when ``logits / temperature`` overflows fp32.
+    """
+    if params.temperature == 0.0:
+        return int(np.argmax(logits))
+    return sample_sorted(logits, np.sort(sample_keys(logits, params.temperature)), params, pos)

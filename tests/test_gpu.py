@@ -162,6 +162,35 @@ def test_elementwise_twins(backends):
     assert be.to_host(idx).tolist() == [int(np.argmax(r)) for r in logits] and not be.to_host(nan).any()
 
 
+@pytest.mark.parametrize("v", [300, 49152, 128256])
+def test_sampler_twins(backends, v):
+    """Seeded top-k/top-p on the device: sample_keys == node/sampler.py sample_keys
+    bytes, and every row's token == node/sampler.py sample (ties, -0/+0, top_k
+    0/1/40/past V, top_p 1/0.9/1e-6, three temperatures, random seeds and positions)."""
+    from node.errors import NumericFault
+    from node.sampler import SamplingParams, sample, sample_keys
+    be = backends["Q4_K"]
+    rng = np.random.default_rng(v)
+    params = [SamplingParams(t, k, p, int(rng.integers(0, 2 ** 64, dtype=np.uint64)))
+              for t in (0.3, 1.0, 1.7) for k in (0, 1, 40, v + 7) for p in (1.0, 0.9, 1e-6)]
+    r = len(params)
+    logits = (rng.standard_normal((r, v)) * rng.choice([0.5, 3.0, 20.0], (r, 1))).astype(F32)
+    logits[::3, rng.integers(0, v, v // 4)] = logits[::3, :1]
+    logits[1::4, :8], logits[1::4, 8:16] = 0.0, -0.0
+    positions = rng.integers(0, 2 ** 20, r).tolist()
+    temps = np.array([p.temperature for p in params], F32)
+    keys, bad = be.launch_sample_keys(be.from_host(logits), be.from_host(temps))
+    want_keys = np.stack([sample_keys(logits[i], params[i].temperature) for i in range(r)])
+    assert_same(want_keys, be.to_host(keys), "sample_keys")
+    assert not be.to_host(bad).any()
+    got = be.to_host(be.sample(be.from_host(logits), params, positions)).tolist()
+    assert got == [sample(logits[i], params[i], positions[i]) for i in range(r)]
+    hot = logits[:2].copy()
+    hot[1, 5] = 3e38
+    with pytest.raises(NumericFault, match="row 1"):
+        be.sample(be.from_host(hot), [SamplingParams(1e-6, 0, 1.0, 1)] * 2, [0, 0])
+
+
 def test_attention_twin_multi_split(models):
     """Paged split-KV attention for one sequence past two split boundaries."""
     from node.backend_cuda import CudaBackend

@@ -156,6 +156,23 @@ def test_uniform_open_interval():
     assert F32(2 * (0xFFFFFFFF >> 9) + 1) * F32(2.0 ** -24) == F32(1 - 2.0 ** -24)
 
 
+def test_sample_keys_order_z_descending_then_id():
+    """Ascending sample_keys == numpy's lexsort by (z descending, id ascending), with
+    ties, -0 beside +0, and signs mixed; a non-finite z is a fault."""
+    from node.errors import NumericFault
+    from node.sampler import sample_keys
+    r = np.random.default_rng(11)
+    for t in (0.5, 1.0, 3.0):
+        lg = (r.standard_normal(4000) * 10).astype(F32)
+        lg[r.integers(0, 4000, 1000)] = lg[7]
+        lg[:20], lg[20:40] = -0.0, 0.0
+        z = lg / F32(t)
+        order = (np.sort(sample_keys(lg, t)) & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        assert order.tolist() == np.lexsort((np.arange(z.size), -z)).tolist()
+    with pytest.raises(NumericFault):
+        sample_keys(np.array([1.0, 3e38], F32), 1e-6)
+
+
 def test_greedy_ties_lowest_id():
     lg = np.array([1.0, 3.0, 2.0, 3.0], F32)
     assert sample(lg, SamplingParams(), 0) == 1
