@@ -197,6 +197,7 @@ class CudaBackend:
         self.max_splits = -(-n_ctx // SPLIT_KV)
         self._graph_cache: dict[int, dict] = {}
         self._entry = None
+        self._last = None                 # device logits [R, n_vocab] of the last step (for sample_last)
         self._device_record = None
 
     def _agree_kv_pages(self, n: int) -> int:
@@ -471,6 +472,14 @@ class CudaBackend:
             raise NumericFault(f"logits / temperature overflow fp32 in row {int(bad.argmax())}")
         return out
 
+    def sample_last(self, rows, params, positions) -> list[int]:
+        """:meth:`sample` over rows ``rows`` of the last step's device logits (valid until
+        the next step); returns host token ids."""
+        cp = self.cp
+        with self.stream:
+            lg = self._last[cp.asarray(np.asarray(rows, np.int64))]
+            return self.to_host(self.sample(lg, list(params), list(positions))).tolist()
+
     def launch_tp_combine(self, partials):
         """fp32 partials [T, M, N] of a row-parallel product (rank order) -> fp32 [M, N]."""
         cp = self.cp
@@ -655,7 +664,8 @@ class CudaBackend:
     def _run(self, forward, tok, pos, rows, e):
         cp = self.cp
         if e is None:
-            return self.to_host(forward(cp.asarray(tok), cp.asarray(pos), cp.asarray(rows)))
+            self._last = forward(cp.asarray(tok), cp.asarray(pos), cp.asarray(rows))
+            return self.to_host(self._last)
         m = len(tok)
         h, d = e["host"], e["dev"]
         h["tok"][:m], h["tok"][m:] = tok, 0
@@ -670,6 +680,7 @@ class CudaBackend:
                 finally:
                     e["graph"] = self.stream.end_capture()
         e["graph"].launch(self.stream)
+        self._last = e["out"][:m]
         e["out"][:m].get(self.stream, out=e["logits"][:m])
         self.stream.synchronize()
         return e["logits"][:m].copy()

@@ -17,6 +17,7 @@ import numpy as np
 from .errors import NumericFault, RequestError
 from .gguf_model import Model
 from .rope_table import rope_table
+from .sampler import sample_rows
 from .tp import check_degree
 
 
@@ -145,6 +146,27 @@ class Engine:
         if all_logits:
             return [logits[a:b] for a, b in spans]
         return [logits[i] for i in range(len(chunks))]
+
+    def sample(self, picks, logits) -> list[int]:
+        """Token ids for rows of the last :meth:`forward` step (``all_logits`` off).
+
+        ``picks``: ``(row, SamplingParams, position)``; ``logits``: that step's
+        result. On the CUDA backend seeded rows are drawn on the GPU from the
+        step's device logits (``CudaBackend.sample_last``, the twin of
+        node/sampler.py ``sample``: the same ids); greedy rows and the CPU
+        backend use node/sampler.py on the host. Raises :class:`NumericFault`
+        when ``logits / temperature`` of a row overflows fp32.
+        """
+        out: list[int | None] = [None] * len(picks)
+        seeded = [i for i, (_, p, _) in enumerate(picks) if p.temperature != 0.0] if self.device == "cuda" else []
+        if seeded:
+            got = self.backend.sample_last(*zip(*(picks[i] for i in seeded)))
+            for i, t in zip(seeded, got):
+                out[i] = t
+        rest = [i for i, t in enumerate(out) if t is None]
+        for i, t in zip(rest, sample_rows(logits, [picks[i] for i in rest])):
+            out[i] = t
+        return out
 
     def _device_forward(self, tok, pos, rows):
         """The layer stack on backend arrays: token ids int64 ``[M]``, positions

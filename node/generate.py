@@ -13,7 +13,7 @@ import numpy as np
 from attest import digest
 from .engine import Engine
 from .errors import RequestError
-from .sampler import SamplingParams, sample
+from .sampler import SamplingParams
 from .tokenizer import Tokenizer
 
 PREFILL_CHUNK = 128  # tokens per prefill step; any value gives the same bytes
@@ -104,8 +104,9 @@ class Generation:
     """Decoding state of one request; the engine steps are driven from outside
     (by :func:`generate` alone, or by the scheduler beside other requests).
 
-    Each step: feed :meth:`next_chunk` to ``engine.forward`` for :attr:`seq`,
-    then pass the chunk length and the returned logits to :meth:`feed`.
+    Each step: feed :meth:`next_chunk` to ``engine.forward`` for :attr:`seq`;
+    pass the chunk length to :meth:`due`, and when it gives a position, the
+    token ``engine.sample`` draws there and the logits to :meth:`take`.
     """
 
     def __init__(self, engine: Engine, tok: Tokenizer, record: dict):
@@ -130,15 +131,19 @@ class Generation:
             return self.ids[self.fed:self.fed + limit]
         return [self.tokens[-1]]
 
-    def feed(self, n: int, logits: np.ndarray) -> int | None:
-        """Take the logits of a step that fed ``n`` tokens; returns the sampled
-        token, or None while the prompt is still being prefilled."""
+    def due(self, n: int) -> int | None:
+        """Count ``n`` more fed tokens; returns the position of the token this
+        step's logits yield, or None while the prompt is still being prefilled."""
         if self.fed < len(self.ids):
             self.fed += n
             if self.fed < len(self.ids):
                 return None
+        return len(self.ids) + len(self.tokens)
+
+    def take(self, t: int, logits: np.ndarray) -> int:
+        """Append token ``t``, drawn by ``engine.sample`` from ``logits`` (fp32
+        ``[n_vocab]``, hashed into the digest chain) for the position :meth:`due` gave."""
         pos = len(self.ids) + len(self.tokens)
-        t = sample(logits, self.params, pos)
         self.link = digest.chain_step(self.link, t, logits)
         self.tokens.append(t)
         self.chain.append(self.link)
@@ -184,7 +189,10 @@ def generate(engine: Engine, tok: Tokenizer, record: dict) -> Result:
     try:
         while not g.done:
             chunk = g.next_chunk()
-            g.feed(len(chunk), engine.forward([(g.seq, chunk)])[0])
+            logits = engine.forward([(g.seq, chunk)])
+            pos = g.due(len(chunk))
+            if pos is not None:
+                g.take(engine.sample([(0, g.params, pos)], logits)[0], logits[0])
     finally:
         g.release()
     return g.result()

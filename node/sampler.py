@@ -121,3 +121,10 @@ def sample(logits: np.ndarray, params: SamplingParams, pos: int) -> int:
     if params.temperature == 0.0:
         return int(np.argmax(logits))
     return sample_sorted(logits, np.sort(sample_keys(logits, params.temperature)), params, pos)
+
+
+def sample_rows(logits, picks) -> list[int]:
+    """Host draws for rows of one step: ``picks`` = ``(row, SamplingParams, position)``
+    over ``logits`` (fp32 ``[n_vocab]`` rows, indexed by row). Raises
+    :class:`NumericFault` when ``logits / temperature`` of a row overflows fp32."""
+    return [sample(logits[r], p, pos) for r, p, pos in picks]

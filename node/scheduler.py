@@ -167,11 +167,24 @@ class Scheduler:
             for job in ready:
                 self._drop(job, e)
             return
+        due = [(i, job.gen.due(len(c))) for i, (job, c) in enumerate(zip(ready, chunks))]
+        picks = [(i, ready[i].gen.params, pos) for i, pos in due if pos is not None]
+        try:
+            toks = self.engine.sample(picks, outs)
+        except BitexactError:   # logits / temperature overflow: find the rows, keep the others
+            toks = []
+            for pick in picks:
+                try:
+                    toks.append(self.engine.sample([pick], outs)[0])
+                except BitexactError as e:
+                    self._drop(ready[pick[0]], e)
+                    toks.append(None)
         sampled = 0
-        for job, chunk, logits in zip(ready, chunks, outs):
-            t = job.gen.feed(len(chunk), logits)
+        for (i, _, _), t in zip(picks, toks):
             if t is None:
                 continue
+            job = ready[i]
+            job.gen.take(t, outs[i])
             sampled += 1
             if not job.cancelled:
                 job.on_event("token", (t, job.gen.stable_text()))

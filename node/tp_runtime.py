@@ -30,6 +30,7 @@ import numpy as np
 from .engine import Engine, default_n_ctx
 from .errors import BitexactError
 from .gguf_model import Model, load_model
+from .sampler import sample_rows
 from .tp import ShardPlan, TpCpuBackend, check_degree
 
 SLOT_FLOATS = 1 << 20   # fp32 values each rank can publish per round (4 MiB)
@@ -381,6 +382,11 @@ class TpEngine:
                 off += n
             return parts
         return out
+
+    def sample(self, picks, logits) -> list[int]:
+        """Token ids for rows of the last :meth:`forward`, drawn on the host
+        (node/sampler.py ``sample_rows``; see :meth:`node.engine.Engine.sample`)."""
+        return sample_rows(logits, picks)
 
     def close(self) -> None:
         """Stop the rank processes and free the shared memory (idempotent)."""

@@ -11,6 +11,7 @@ step / 4.3 TB/s).
 
     python scripts/bench_gpu.py --out results.json [--layers 8] [--default-model PATH]
     python scripts/bench_gpu.py --out tp.json --tp N [--tp-layers 4 2]
+    python scripts/bench_gpu.py --out sampler.json --sampler
 
 ``--layers`` truncates the 8B Llama shape to its first N layers (full vocab)
 to fit the device time of one run; every figure of a row uses the same
@@ -112,6 +113,38 @@ def bench_bitexact(model, steps: int = 32) -> dict:
     out["roofline_fraction_b1_gpu"] = round(out["roofline_ms_step"] / out["decode_gpu_ms_step"][1], 3)
     del eng
     cp.get_default_memory_pool().free_all_blocks()
+    return out
+
+
+def bench_sampler(vocab: int = 128256, reps: int = 10) -> dict:
+    """Seeded top-k/top-p draws for R rows of ``vocab`` logits: the GPU sampler
+    (``CudaBackend.sample``) against node/sampler.py on the host, ms per call."""
+    import cupy as cp
+
+    from node.backend_cuda import CudaBackend
+    from node.gguf_model import load_model
+    from node.sampler import SamplingParams, sample
+    from node.synth import write_model
+
+    path = write_model(os.path.join(tempfile.mkdtemp(), "s.gguf"), (256, 2, 4, 2, 512, 300), "Q8_0", seed=1,
+                       n_layer=1)
+    be = CudaBackend(load_model(path), pin=None, kv_pages=8)
+    rng = np.random.default_rng(0)
+    out = {}
+    for r in (1, 32):
+        for k in (0, 40):
+            host = (rng.standard_normal((r, vocab)) * 3).astype(np.float32)
+            lg, ps, pos = cp.asarray(host), [SamplingParams(0.8, k, 0.9, i) for i in range(r)], list(range(r))
+            got = be.to_host(be.sample(lg, ps, pos)).tolist()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                be.sample(lg, ps, pos)
+            cp.cuda.runtime.deviceSynchronize()
+            dev = (time.perf_counter() - t0) / reps * 1e3
+            t0 = time.perf_counter()
+            want = [sample(host[i], ps[i], pos[i]) for i in range(r)]
+            out[f"rows{r}_topk{k}"] = {"gpu_ms": round(dev, 2), "host_ms": round((time.perf_counter() - t0) * 1e3, 2),
+                                       "same_ids": got == want}
     return out
 
 
@@ -354,9 +387,17 @@ def main() -> int:
     ap.add_argument("--tp", type=int, help="benchmark tensor parallelism at degrees 1, 2, ... up to N GPUs")
     ap.add_argument("--tp-layers", type=int, nargs=2, default=(4, 2), metavar=("L8B", "L70B"),
                     help="layers of the 8B and 70B shapes for --tp (default 4 2)")
+    ap.add_argument("--sampler", action="store_true", help="only the sampler: GPU against host draws")
     args = ap.parse_args()
     if args.tp:
         return main_tp(args)
+    if args.sampler:
+        results = {}
+        run_section(results, "sampler", bench_sampler)
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
+        return 0
 
     import cupy as cp
 

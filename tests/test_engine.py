@@ -153,3 +153,52 @@ def test_a_failing_chat_template_is_one_request_error(template):
     with pytest.raises(RequestError, match="^chat template failed") as e:
         tok.render_chat([{"role": "user", "content": "hi"}])
     assert "\n" not in str(e.value)
+
+
+def test_a_sampling_fault_fails_only_its_request():
+    """A draw that faults (logits / temperature overflowing fp32) fails its own
+    request with that error; the request stepped beside it ends with its solo digest."""
+    import threading
+
+    from node.errors import NumericFault
+    from node.gguf_model import default_model_path
+    from node.generate import Request, build_request, generate
+    from node.sampler import SamplingParams
+    from node.scheduler import Scheduler
+    from node.tokenizer import Tokenizer
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+
+    class FaultOnSeed666:
+        """The engine, except that a draw for seed 666 overflows."""
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def sample(self, picks, logits):
+            if any(p.seed == 666 for _, p, _ in picks):
+                raise NumericFault("logits / temperature 1e-06 overflow fp32")
+            return self.engine.sample(picks, logits)
+
+    recs = [build_request(Request(prompt="Name a colour.", max_tokens=3, params=SamplingParams(0.8, 0, 1.0, s)),
+                          tok, 256) for s in (666, 7)]
+    want = generate(Engine(model, n_ctx=256), tok, recs[1]).digest
+    ends, done = {}, threading.Event()
+
+    def on_event(i, kind, value):
+        if kind != "token":
+            ends[i] = (kind, value)
+            if len(ends) == 2:
+                done.set()
+
+    sched = Scheduler(FaultOnSeed666(Engine(model, n_ctx=256)), tok, max_batch=4)
+    try:
+        for i, r in enumerate(recs):
+            sched.submit(r, lambda kind, value, i=i: on_event(i, kind, value))
+        assert done.wait(300)
+    finally:
+        sched.stop()
+    assert ends[0][0] == "error" and isinstance(ends[0][1], NumericFault)
+    assert ends[1][0] == "done" and ends[1][1].digest == want

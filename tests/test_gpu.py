@@ -191,6 +191,25 @@ def test_sampler_twins(backends, v):
         be.sample(be.from_host(hot), [SamplingParams(1e-6, 0, 1.0, 1)] * 2, [0, 0])
 
 
+def test_engine_draws_on_the_gpu_like_the_host(models):
+    """Engine.sample on the CUDA backend (seeded rows drawn from the last step's
+    device logits: an eager prefill step, then graph-replayed decode steps; picks
+    out of row order, one greedy) gives node/sampler.py's ids for every row."""
+    from node.sampler import SamplingParams, sample
+    eng = Engine(models["Q8_0"], "cuda", pin=None, kv_pages=64)
+    rng = np.random.default_rng(8)
+    seqs = [eng.new_sequence() for _ in range(5)]
+    outs = eng.forward([(s, rng.integers(0, 300, 9 + i).tolist()) for i, s in enumerate(seqs)])
+    for step in range(4):
+        params = [SamplingParams(0.5 + 0.3 * i, (0, 1, 7, 0, 50)[i], (1.0, 0.9, 0.5, 0.2, 1.0)[i], 1000 * step + i)
+                  for i in range(5)]
+        params[2] = SamplingParams()
+        picks = [(i, params[i], 20 + step) for i in range(5)][::-1]
+        got = eng.sample(picks, outs)
+        assert got == [sample(outs[r], p, pos) for r, p, pos in picks]
+        outs = eng.forward([(s, [t]) for s, t in zip(seqs, got[::-1])])
+
+
 def test_attention_twin_multi_split(models):
     """Paged split-KV attention for one sequence past two split boundaries."""
     from node.backend_cuda import CudaBackend
