@@ -445,6 +445,7 @@ class CudaBackend:
         _check(keys.shape == (r, v) and keys.dtype == cp.uint64 and keys.flags.c_contiguous, "sample_sorted keys")
         _check(len(params) == r == len(positions) and all(p.temperature > 0 for p in params),
                "sample_sorted: one non-greedy SamplingParams and one position per row")
+
         def col(vals, dt):
             return cp.asarray(np.array(vals, dt))
 
