@@ -1,7 +1,7 @@
 // bitexact: token selection (docs/determinism.md section 10).
 // Kernels: argmax, sample_keys, sample_sorted. Launchers with shape checks:
-// node/backend_cuda.py launch_argmax, launch_sample (which sorts the keys
-// between its two kernels), in the same order. Twins: numpy.argmax (the lowest
+// node/backend_cuda.py launch_argmax, launch_sample_keys, launch_sample_sorted
+// (CudaBackend.sample sorts the keys between the last two), in the same order. Twins: numpy.argmax (the lowest
 // id among the maxima) and node/sampler.py sample_keys, sample_sorted.
 #include "common.cuh"
 

@@ -429,7 +429,8 @@ class CudaBackend:
         cp = self.cp
         r, v = logits.shape
         _check(logits.dtype == cp.float32 and logits.flags.c_contiguous and 0 < v < 2 ** 31
-               and temps.shape == (r,) and temps.dtype == cp.float32, "sample_keys logits fp32 [R, V], temps [R]")
+               and temps.shape == (r,) and temps.dtype == cp.float32 and temps.flags.c_contiguous,
+               "sample_keys logits fp32 [R, V], temps fp32 [R]")
         keys = cp.empty((r, v), cp.uint64)
         bad = cp.zeros(r, cp.int32)
         self.k["sample_keys"](((r * v + 255) // 256,), (256,), (logits, temps, keys, bad, np.int32(r), np.int32(v)))
@@ -442,6 +443,7 @@ class CudaBackend:
         Returns int32 token ids ``[R]`` (device)."""
         cp = self.cp
         r, v = logits.shape
+        _check(logits.dtype == cp.float32 and logits.flags.c_contiguous, "sample_sorted logits fp32 [R, V]")
         _check(keys.shape == (r, v) and keys.dtype == cp.uint64 and keys.flags.c_contiguous, "sample_sorted keys")
         _check(len(params) == r == len(positions) and all(p.temperature > 0 for p in params),
                "sample_sorted: one non-greedy SamplingParams and one position per row")
@@ -469,17 +471,20 @@ class CudaBackend:
         keys, bad = self.launch_sample_keys(logits, cp.asarray(np.array([p.temperature for p in params], np.float32)))
         out = self.launch_sample_sorted(logits, cp.sort(keys, axis=1), params, positions)
         bad = self.to_host(bad)
-        if bad.any():
-            raise NumericFault(f"logits / temperature overflow fp32 in row {int(bad.argmax())}")
+        if bad.any():   # the CPU engine's message (node/sampler.py sample_keys)
+            raise NumericFault(f"logits / temperature {params[int(bad.argmax())].temperature} overflow fp32")
         return out
 
     def sample_last(self, rows, params, positions) -> list[int]:
         """:meth:`sample` over rows ``rows`` of the last step's device logits (valid until
         the next step); returns host token ids."""
         cp = self.cp
-        with self.stream:
-            lg = self._last[cp.asarray(np.asarray(rows, np.int64))]
-            return self.to_host(self.sample(lg, list(params), list(positions))).tolist()
+        try:
+            with self.stream:
+                lg = self._last[cp.asarray(np.asarray(rows, np.int64))]
+                return self.to_host(self.sample(lg, list(params), list(positions))).tolist()
+        except cp.cuda.memory.OutOfMemoryError as err:
+            raise GpuError(f"out of GPU memory while sampling {len(rows)} rows: {err}") from None
 
     def launch_tp_combine(self, partials):
         """fp32 partials [T, M, N] of a row-parallel product (rank order) -> fp32 [M, N]."""

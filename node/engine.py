@@ -157,6 +157,8 @@ class Engine:
         backend use node/sampler.py on the host. Raises :class:`NumericFault`
         when ``logits / temperature`` of a row overflows fp32.
         """
+        if any(np.ndim(logits[r]) != 1 for r, _, _ in picks):
+            raise RequestError("sample takes the rows of a forward step without all_logits")
         out: list[int | None] = [None] * len(picks)
         seeded = [i for i, (_, p, _) in enumerate(picks) if p.temperature != 0.0] if self.device == "cuda" else []
         if seeded:

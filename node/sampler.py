@@ -103,7 +103,8 @@ def sample_sorted(logits: np.ndarray, keys: np.ndarray, params: SamplingParams, 
     n = params.top_k if 0 < params.top_k < ids.size else ids.size
     ids = ids[:n]
     zs = logits[ids].astype(F32) / F32(params.temperature)
-    e = exp32(zs - zs[0])
+    with np.errstate(over="ignore"):   # z spanning more than FLT_MAX: -inf, and exp32 gives 0 (as on the GPU)
+        e = exp32(zs - zs[0])
     c = np.add.accumulate(e, dtype=F32)
     keep = int(np.searchsorted(c >= F32(params.top_p) * c[-1], True)) + 1
     target = uniform(params.seed, pos) * c[keep - 1]

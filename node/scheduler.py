@@ -171,7 +171,8 @@ class Scheduler:
         picks = [(i, ready[i].gen.params, pos) for i, pos in due if pos is not None]
         try:
             toks = self.engine.sample(picks, outs)
-        except BitexactError:   # logits / temperature overflow: find the rows, keep the others
+        except BitexactError as batch_err:   # e.g. logits / temperature overflow: find the rows, keep the others
+            log.warning("a step's draw failed (%s); drawing its %d rows one by one", batch_err, len(picks))
             toks = []
             for pick in picks:
                 try:
