@@ -68,7 +68,7 @@ def decode(data: bytes, what: str = "data"):
     except msgpack.StackError:  # msgpack's own nesting limit (1024), past ours
         raise AttestationError(f"{what} nests arrays or maps deeper than {MAX_DEPTH} levels") from None
     except Exception as e:
-        raise AttestationError(f"{what} is not valid msgpack ({type(e).__name__}: {e})") from None
+        raise AttestationError(f"{what} is not valid msgpack: {e}") from None
     if _depth(obj) > MAX_DEPTH:
         raise AttestationError(f"{what} nests arrays or maps deeper than {MAX_DEPTH} levels")
     try:

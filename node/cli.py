@@ -84,8 +84,10 @@ def cmd_serve(args) -> int:
 
     from .tp import check_degree
 
-    if args.max_batch < 1 or args.max_queue < 0 or args.max_tokens_cap < 1 or args.max_body_bytes < 1:
-        raise RequestError("--max-batch, --max-tokens-cap and --max-body-bytes must be >= 1, --max-queue >= 0")
+    for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
+                               ("--max-tokens-cap", args.max_tokens_cap, 1), ("--max-body-bytes", args.max_body_bytes, 1)):
+        if value < least:
+            raise RequestError(f"{flag} must be >= {least}, got {value}")
     if not 0 <= args.port <= 65535:
         raise RequestError(f"--port must be in [0, 65535], got {args.port}")
     if not args.data_dir:
@@ -114,13 +116,15 @@ def _serve(args, tok, key, engine) -> None:
         family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.create_server((args.host, args.port), family=family)
     except OSError as e:
-        raise BitexactError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+        why = (e.strerror or str(e)).split(" (while attempting")[0]   # create_server appends the address
+        raise BitexactError(f"cannot listen on {args.host}:{args.port}: {why}") from None
     try:
         node = Node(engine, tok, key, args.data_dir, args.max_batch, args.max_queue,
                     max_tokens_cap=min(args.max_tokens_cap, engine.n_ctx), pin=args.pin)
     except OSError as e:
         sock.close()
-        raise BitexactError(f"cannot open the data folder {args.data_dir}: {e.strerror}") from None
+        why = "not a folder" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
+        raise BitexactError(f"cannot open the data folder {args.data_dir}: {why}") from None
     except sqlite3.Error as e:
         sock.close()
         raise BitexactError(f"cannot open the attestation store in {args.data_dir}: {e}") from None
@@ -144,14 +148,15 @@ def cmd_run(args) -> int:
 
     if args.attestation == "":
         raise RequestError("--attestation must not be empty")
+    folder = os.path.dirname(os.path.abspath(args.attestation)) if args.attestation else os.getcwd()
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):   # before generating, not after
+        raise RequestError(f"cannot write the attestation: {folder} is not a writable folder")
     key = keys.load_private(args.key, _passphrase(args))
     if args.chat is not None:
-        try:
+        try:   # a JSON list is the messages; any other text is one user message
             messages = json.loads(args.chat) if args.chat.lstrip().startswith("[") else None
-        except json.JSONDecodeError as e:
-            raise RequestError(f"--chat is not valid JSON: {e.msg}") from None
-        except RecursionError:
-            raise RequestError("--chat is not valid JSON: nested too deeply") from None
+        except (json.JSONDecodeError, RecursionError):
+            messages = None
         if messages is None:
             messages = [{"role": "user", "content": args.chat}]
     else:

@@ -44,8 +44,9 @@ class Job:
 
 
 class Scheduler:
-    """Runs jobs on ``engine`` with at most ``max_batch`` active sequences and
-    ``max_queue`` waiting jobs."""
+    """Runs jobs on ``engine`` with at most ``max_batch`` active sequences; at most
+    ``max_queue`` jobs wait beyond the free batch slots (0: a job is taken only
+    when a slot is free), past that :meth:`submit` raises :class:`QueueFull`."""
 
     def __init__(self, engine: Engine, tok: Tokenizer, max_batch: int = 16, max_queue: int = 64,
                  on_step: Callable[[int, int, int], None] | None = None):
@@ -75,7 +76,7 @@ class Scheduler:
         with self._cv:
             if self._draining or self._stop:
                 raise Draining("the node is shutting down")
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) >= max(0, self.max_batch - len(self._active)) + self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
             self._waiting.append(job)
             self._cv.notify()

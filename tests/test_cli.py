@@ -201,7 +201,7 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--chat", "[1]"], "chat message"),
     (["--chat", "[]"], "non-empty"),
     (["--chat", '[{"role": "user", "content": 1}]'], "chat message"),
-    (["--chat", "[" * 100000], "not valid JSON"),
+    (["--chat", "[" * 100000], "context holds"),        # not JSON: one user message, far too long
     (["--prompt", "hi", "--model", "/no/such/model.gguf"], "not found"),
     (["--prompt", "hi", "--model", "NOT_GGUF"], "GGUF"),
     (["--prompt", "hi", "--model", "EMPTY_FILE"], "GGUF"),
@@ -214,6 +214,7 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--stop", "\udcff"], "not valid Unicode"),
     (["--prompt", "hi", "--model", ""], "not found"),
     (["--prompt", "hi", "--attestation", ""], "--attestation"),
+    (["--prompt", "hi", "--attestation", "/no/such/folder/a.bxa"], "not a writable folder"),
     ([], "--prompt"),
 ])
 def test_run_rejects_bad_requests(art, tmp_path, cwd, args, needle):
@@ -247,6 +248,16 @@ def test_device_cuda_without_a_usable_gpu_is_one_error_line(art, cwd, command):
     line = assert_input_error(p)
     assert "CuPy" in line or "GPU" in line, line
     assert listing(cwd) == []
+
+
+def test_run_chat_text_that_is_not_a_json_list_is_one_user_message(art, cwd):
+    """--chat "[citation needed] ..." is not JSON: it is sent as one user message."""
+    text = "[citation needed] What does this tag mean?"
+    p = bx(cwd, "run", "--key", art.key, "--chat", text, "--max-tokens", "1", "--attestation", "a.bxa",
+           "--device", "cpu")
+    assert p.returncode == 0, p.stderr
+    q = bx(cwd, "inspect", "--json", "a.bxa")
+    assert json.loads(q.stdout)["request"]["messages"] == [{"role": "user", "content": text}]
 
 
 def test_run_with_explicit_attestation_path_writes_nothing_on_failure(art, cwd):

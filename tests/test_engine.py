@@ -202,3 +202,29 @@ def test_a_sampling_fault_fails_only_its_request():
         sched.stop()
     assert ends[0][0] == "error" and isinstance(ends[0][1], NumericFault)
     assert ends[1][0] == "done" and ends[1][1].digest == want
+
+
+def test_max_queue_zero_runs_a_request_when_a_batch_slot_is_free():
+    """max_queue 0: a request is taken while a batch slot is free and refused
+    (QueueFull) while none is; the queue limit counts only jobs beyond the free slots."""
+    import threading
+
+    from node.gguf_model import default_model_path
+    from node.generate import Request, build_request
+    from node.scheduler import QueueFull, Scheduler
+    from node.tokenizer import Tokenizer
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+    rec = build_request(Request(prompt="Hi", max_tokens=2), tok, 256)
+    sched = Scheduler(Engine(model, n_ctx=256), tok, max_batch=1, max_queue=0)
+    ends = []
+    try:
+        for _ in range(2):
+            done = threading.Event()
+            sched.submit(rec, lambda kind, value: (ends.append(kind), done.set()) if kind != "token" else None)
+            with pytest.raises(QueueFull):
+                sched.submit(rec, lambda kind, value: None)
+            assert done.wait(120)
+    finally:
+        sched.stop()
+    assert ends == ["done", "done"]

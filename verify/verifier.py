@@ -34,7 +34,10 @@ def read_attestation(path: str, trusted_key: bytes | None = None) -> dict:
             data = f.read((64 << 20) + 1)
     except OSError as e:
         raise AttestationError(f"cannot read attestation {path}: {e.strerror}") from None
-    return open_envelope(data, trusted_key)
+    try:
+        return open_envelope(data, trusted_key)
+    except AttestationError as e:
+        raise AttestationError(f"{path}: {e}") from None
 
 
 def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | None = None,
@@ -73,5 +76,5 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
             return Report(False, payload, f"FAIL: first divergent step {i}: {what}", i, et, gt)
     if (res.digest != out["digest"] or res.text != out["text"] or res.finish_reason != out["finish_reason"]
             or res.tokens != out["tokens"]):
-        return Report(False, payload, "FAIL: every step matched but the output digest, text or finish reason differs")
+        return Report(False, payload, "FAIL: every step matched but the output digest, tokens, text or finish reason differs")
     return Report(True, payload, f"OK: {len(res.tokens)} tokens reproduced, output digest {res.digest.hex()}")
