@@ -291,7 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        code = args.fn(args)
+        sys.stdout.flush()   # inside the try: a closed pipe is reported here, not at interpreter exit
+        return code
+    except BrokenPipeError:   # whoever read stdout went away (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except BitexactError as e:
         print(f"bitexact: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -278,6 +278,17 @@ def test_run_synthetic_model_without_vocab(art, tmp_path, cwd):
 # --------------------------------------------------------------------------
 # verify: the real attestation
 
+def test_a_closed_stdout_pipe_is_exit_141_without_a_traceback(art):
+    """`bitexact inspect --json A | head -0`: the reader is gone before the output."""
+    import subprocess
+    from test_attest import cli_env
+    p = subprocess.Popen([sys.executable, "-m", "node.cli", "inspect", "--json", art.bxa], env=cli_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
+
+
 def test_verify_ok(art, tmp_path):
     shutil.copy(art.bxa, tmp_path / "a.bxa")
     p = bx(tmp_path, "verify", "a.bxa")
