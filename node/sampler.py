@@ -121,7 +121,10 @@ def sample(logits: np.ndarray, params: SamplingParams, pos: int) -> int:
     """
     if params.temperature == 0.0:
         return int(np.argmax(logits))
-    return sample_sorted(logits, np.sort(sample_keys(logits, params.temperature)), params, pos)
+    keys = sample_keys(logits, params.temperature)
+    if 0 < params.top_k < keys.size:   # the top_k smallest keys, sorted: the same first top_k (keys are unique)
+        return sample_sorted(logits, np.sort(np.partition(keys, params.top_k - 1)[:params.top_k]), params, pos)
+    return sample_sorted(logits, np.sort(keys), params, pos)
 
 
 def sample_rows(logits, picks) -> list[int]:

@@ -173,6 +173,20 @@ def test_sample_keys_order_z_descending_then_id():
         sample_keys(np.array([1.0, 3e38], F32), 1e-6)
 
 
+def test_top_k_by_partition_equals_the_full_sort():
+    """sample() takes the top_k smallest keys by partition; the draw equals the one
+    over the fully sorted keys, ties and all."""
+    from node.sampler import sample_keys, sample_sorted
+    r = np.random.default_rng(12)
+    for i in range(300):
+        lg = (r.standard_normal(int(r.integers(2, 3000))) * 4).astype(F32)
+        lg[r.integers(0, lg.size, lg.size // 3)] = lg[0]
+        p = SamplingParams(float(r.choice([0.3, 1.0, 2.0])), int(r.integers(1, lg.size + 3)),
+                           float(r.choice([1.0, 0.8, 1e-6])), i)
+        full = sample_sorted(lg, np.sort(sample_keys(lg, p.temperature)), p, i)
+        assert sample(lg, p, i) == full
+
+
 def test_greedy_ties_lowest_id():
     lg = np.array([1.0, 3.0, 2.0, 3.0], F32)
     assert sample(lg, SamplingParams(), 0) == 1
