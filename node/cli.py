@@ -148,10 +148,6 @@ def cmd_run(args) -> int:
 
     if args.attestation == "":
         raise RequestError("--attestation must not be empty")
-    if not 0 < args.max_tokens < 2 ** 31:   # checked again with the request; here before the model loads
-        raise RequestError(f"--max-tokens must be in [1, 2**31), got {args.max_tokens}")
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    params.validate()
     folder = os.path.dirname(os.path.abspath(args.attestation)) if args.attestation else os.getcwd()
     if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):   # before generating, not after
         raise RequestError(f"cannot write the attestation: {folder} is not a writable folder")
@@ -165,9 +161,10 @@ def cmd_run(args) -> int:
             messages = [{"role": "user", "content": args.chat}]
     else:
         messages = None
-    model, tok, engine = open_engine(args)
     req = Request(prompt=args.prompt, messages=messages, max_tokens=args.max_tokens,
-                  params=params, stop=args.stop or [])
+                  params=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed), stop=args.stop or [])
+    req.validate()                      # before the model loads
+    model, tok, engine = open_engine(args)
     record = build_request(req, tok, engine.n_ctx)
     res = generate(engine, tok, record)
     payload = build_payload(res, engine, keys.public_raw(key))

@@ -29,6 +29,27 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
 
+    def validate(self) -> None:
+        """Every check that needs no tokenizer or model; raises :class:`RequestError`
+        for both or neither of prompt and messages, an empty or non-UTF-8 prompt,
+        bad chat messages, ``max_tokens`` outside [1, 2**31), bad sampling
+        parameters or stop strings. :func:`build_request` runs it first."""
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("give exactly one of a prompt or chat messages")
+        if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens < 2 ** 31:
+            raise RequestError(f"max tokens must be an integer in [1, 2**31), got {self.max_tokens}", "max_tokens")
+        self.params.validate()
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty", "stop")
+        for s in self.stop:
+            _utf8(s, "stop string", "stop")
+        if self.messages is not None:
+            _validate_messages(self.messages)
+        else:
+            if not self.prompt or not self.prompt.strip():
+                raise RequestError("the prompt is empty", "prompt")
+            _utf8(self.prompt, "prompt", "prompt")
+
 
 @dataclass
 class Result:
@@ -68,24 +89,12 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
     Raises :class:`RequestError` for an empty prompt, a prompt that leaves no
     room in the context, ``max_tokens <= 0`` or bad sampling parameters.
     """
-    if (req.prompt is None) == (req.messages is None):
-        raise RequestError("give exactly one of a prompt or chat messages")
-    if not isinstance(req.max_tokens, int) or not 0 < req.max_tokens < 2 ** 31:
-        raise RequestError(f"max tokens must be an integer in [1, 2**31), got {req.max_tokens}", "max_tokens")
-    req.params.validate()
-    if any(not isinstance(s, str) or not s for s in req.stop):
-        raise RequestError("stop strings must be non-empty", "stop")
-    for s in req.stop:
-        _utf8(s, "stop string", "stop")
+    req.validate()
     if req.messages is not None:
-        _validate_messages(req.messages)
         text = tok.render_chat(req.messages)
         ids = tok.encode(text, special=True)
         mode = "chat"
     else:
-        if not req.prompt or not req.prompt.strip():
-            raise RequestError("the prompt is empty", "prompt")
-        _utf8(req.prompt, "prompt", "prompt")
         text, ids, mode = req.prompt, tok.encode(req.prompt), "prompt"
     if len(ids) >= n_ctx:
         raise RequestError(f"the prompt is {len(ids)} tokens; the context holds {n_ctx} (one must stay free)")

@@ -305,11 +305,12 @@ class TpEngine:
                 pending = {r: (self._conns[r], self._procs[r].sentinel) for r in range(self.tp) if r not in replies}
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 ready = set(wait([h for pair in pending.values() for h in pair], timeout=left))
-                if not ready and first is None:
-                    first = (f"tensor-parallel ranks {sorted(pending)} did not answer after another rank's "
-                             f"error ({next(str(v[1]) for v in replies.values() if v[0] == 'err')})")
-                    self._abort_ranks()
-                    deadline = None                             # now wait for the stopped ranks to report
+                if not ready:                                   # the grace after a request error ran out
+                    if first is None:
+                        first = (f"tensor-parallel ranks {sorted(pending)} did not answer after another rank's "
+                                 f"error ({next(str(v[1]) for v in replies.values() if v[0] == 'err')})")
+                        self._abort_ranks()
+                    deadline = None                             # now wait, without a timeout, for them to stop
                 for rank, (conn, sentinel) in pending.items():
                     if conn in ready:
                         try:
@@ -317,7 +318,7 @@ class TpEngine:
                             if startup and replies[rank][0] == "err" and first is None:
                                 first = replies[rank][1]
                                 self._abort_ranks()
-                            elif replies[rank][0] == "err" and deadline is None:
+                            elif replies[rank][0] == "err" and deadline is None and first is None:
                                 deadline = time.monotonic() + ERR_GRACE_S
                             elif replies[rank][0] == "fault" and first is None:
                                 first = str(replies[rank][1])

@@ -361,11 +361,15 @@ def main_tp(args) -> int:
         for tp in degrees:
             run_section(results, f"{name}/tp{tp}/bitexact", bench_bitexact_tp, model, tp)
             run_section(results, f"{name}/tp{tp}/torch-nccl-graphs-bf16", bench_torch_tp, model.hparams, tp)
-            with open(args.out + ".tmp", "w") as f:
-                json.dump(results, f, indent=1)
-            os.replace(args.out + ".tmp", args.out)
+            save_json(args.out, results)
         os.unlink(path)
     return 0
+
+
+def save_json(path: str, results: dict) -> None:
+    """Write the results so far to ``path`` (temp file, fsync, rename)."""
+    from attest.atomic import atomic_write
+    atomic_write(path, json.dumps(results, indent=1).encode())
 
 
 def run_section(results, key, fn, *a):
@@ -394,9 +398,7 @@ def main() -> int:
     if args.sampler:
         results = {}
         run_section(results, "sampler", bench_sampler)
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+        save_json(args.out, results)
         return 0
 
     import cupy as cp
@@ -406,11 +408,6 @@ def main() -> int:
 
     props = cp.cuda.runtime.getDeviceProperties(0)
     results = {"gpu": props["name"].decode(), "date": time.strftime("%Y-%m-%d"), "layers_8b": args.layers}
-
-    def save():
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
 
     models = []
     try:
@@ -428,16 +425,16 @@ def main() -> int:
         models.append((name, load_model(path)))
     for name, model in models:
         run_section(results, name, bench_bitexact, model)
-        save()
+        save_json(args.out, results)
         if "hf" not in args.skip:
             run_section(results, name + "/hf-eager-bf16", bench_hf_eager, model.hparams)
-            save()
+            save_json(args.out, results)
         if "torch" not in args.skip:
             run_section(results, name + "/torch-cublas-graphs-bf16", bench_torch_graphs, model.hparams)
-            save()
+            save_json(args.out, results)
         if model.path.startswith(tmp):
             os.unlink(model.path)
-    save()
+    save_json(args.out, results)
     return 0
 
 

@@ -186,8 +186,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", ""], "prompt is empty"),
     (["--prompt", "   \n\t "], "prompt is empty"),
     (["--prompt", LONG_PROMPT, "--ctx", "16"], "context holds 16"),
-    (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens"),
-    (["--prompt", "hi", "--max-tokens", "-1"], "--max-tokens"),
+    (["--prompt", "hi", "--max-tokens", "0"], "max tokens"),
+    (["--prompt", "hi", "--max-tokens", "-1"], "max tokens"),
     (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
     (["--prompt", "hi", "--temperature", "nan"], "temperature"),
     (["--prompt", "hi", "--top-p", "0"], "top_p"),
@@ -209,8 +209,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--max-tokens", "two"], "--max-tokens"),
     (["--prompt", "hi", "--temperature", "1e-45"], "temperature"),
     (["--prompt", "hi", "--top-k", str(2 ** 70)], "top_k"),
-    (["--prompt", "hi", "--max-tokens", str(2 ** 70)], "--max-tokens"),
-    (["--prompt", "hi", "--max-tokens", "0", "--model", "/no/such/model.gguf"], "--max-tokens"),   # before the model
+    (["--prompt", "hi", "--max-tokens", str(2 ** 70)], "max tokens"),
+    (["--prompt", "hi", "--max-tokens", "0", "--model", "/no/such/model.gguf"], "max tokens"),   # before the model
     (["--prompt", "abc\udcff"], "not valid Unicode"),          # invalid UTF-8 in argv
     (["--prompt", "hi", "--stop", "\udcff"], "not valid Unicode"),
     (["--prompt", "hi", "--model", ""], "not found"),
