@@ -33,83 +33,295 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
     }
 }
 
-// ---- matmul_q: one warp per output row n, MQ_TM tokens per warp -------------
-// Lane l owns blocks l*g .. l*g+g-1 (g = ceil(nb/32)), adds r_b onto +0 in
-// order, then the xor-butterfly: the contract's warp_sum over blocks. Up to
-// three matrices with the same K (Q/K/V, gate/up) in one launch, rows
-// concatenated; grid x walks token tiles so a row's tiles run together.
-// A tensor-parallel shard of K (docs/determinism.md section 12) is computed
-// by sub-warps of `lanes` lanes, 32/lanes rows per warp: sub-lane l adds the
-// shard's blocks l*g .. l*g+g-1 (of nbs; the weight rows hold the shard only,
-// from block b_off of their first super-block, and x's block is blk0 + b),
-// then the lowest log2(lanes) butterfly levels give the shard's partial.
-#define MQ_TM 8
+// ---- matmul_q: int8 tensor-core MMA per block, the contract's fold per output
+// A tile is MQ_ROWS = 16 output rows by MQ_TM = 8 tokens, one block of
+// MQ_SPLIT warps; warp s walks the blocks of contract lanes s*lw .. s*lw+lw-1
+// (lw = lanes / MQ_SPLIT), and the warps' subtrees meet as the tree's top
+// levels in shared memory. For each 32-element block b, one mma.sync
+// m16n8k32 (s8 x s8 -> s32) gives the exact integer I_b of all 16 x 8
+// outputs (integer sums are order-free). Thread (gid = lane >> 2, c = lane & 3)
+// owns the MMA's C elements (rows gid and gid + 8, tokens 2c and 2c + 1) and
+// folds r_b into them in ascending b: the running sum of contract lane L's
+// range (blocks L*g .. L*g+g-1); when a range ends its value joins a binary
+// counter, which adds neighbours first exactly as warp_sum's xor-butterfly
+// does (fp32 addition is commutative). A tensor-parallel shard
+// (docs/determinism.md section 12) is the same walk over its `lanes` contract
+// lanes; its weight rows hold the shard only, from block b_off of their first
+// super-block, and x's block is blk0 + b. Up to three matrices with the same
+// K (Q/K/V, gate/up) in one launch; grid x walks token tiles so a row tile's
+// token tiles run together.
+// Data path: a warp copies one unit (8 blocks, or a K-quant super-block) of
+// its 16 weight rows and of its 8 tokens' codes and scales into shared memory
+// with cp.async, double-buffered, so global loads are coalesced and the next
+// unit streams in while this one is computed.
+// MMA k-slot order is free as long as A and B agree: thread c's k-slots
+// 4c..4c+3 and 16+4c..16+4c+3 hold the block's elements 8c..8c+7.
+#define MQ_TM 8     // tokens per tile (the MMA's N)
+#define MQ_ROWS 16  // output rows per tile (the MMA's M)
+#ifndef MQ_SPLIT
+#define MQ_SPLIT 4  // warps per tile (node/backend_cuda.py MQ_SPLIT; tile constant, changes no sum)
+#endif
+#define MQ_WROW 72                         // words per staged weight row (>= 272 bytes + 2, 8-word multiple)
+#define MQ_STAGE (MQ_ROWS * MQ_WROW * 4 + MQ_TM * 8 * 32 + 2 * MQ_TM * 8 * 4)  // bytes per stage
+#define MQ_SMEM (MQ_SPLIT * 2 * MQ_STAGE + MQ_SPLIT * 4 * 32 * 4)                 // node/backend_cuda.py
 
-// Decode weight block b of a row into 8 words of four int8 codes, the scale s,
-// the offset o and, for Q6_K, the two 16-element sub-block scales.
-__device__ __forceinline__ void bx_load_block(const unsigned char* __restrict__ row, int qtype, int b,
-                                              int* codes, float* s, float* o, int* sca, int* scb) {
-    *o = 0.0f;
-    *sca = 1;
-    *scb = 1;
-    if (qtype == BX_Q8_0) {
-        const unsigned char* blk = row + 34 * b;
-        *s = bx_half(bx_u16(blk));
-#pragma unroll
-        for (int w = 0; w < 8; ++w) codes[w] = (int)bx_u32_a2(blk + 2 + 4 * w);
-    } else if (qtype == BX_Q4_0 || qtype == BX_Q4_1) {
-        int bb = qtype == BX_Q4_0 ? 18 : 20;
-        const unsigned char* blk = row + bb * b;
-        const unsigned char* qs = blk + bb - 16;
-        *s = bx_half(bx_u16(blk));
-        if (qtype == BX_Q4_1) *o = bx_half(bx_u16(blk + 2));
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            unsigned int v = bx_u32_a2(qs + 4 * w);
-            unsigned int lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
-            codes[w] = (int)(qtype == BX_Q4_0 ? __vsub4(lo, 0x08080808u) : lo);
-            codes[w + 4] = (int)(qtype == BX_Q4_0 ? __vsub4(hi, 0x08080808u) : hi);
+// Elements 8c..8c+7 of a weight block as int8 codes: lo = 8c..8c+3, hi =
+// 8c+4..8c+7; the scale s, the offset o and, for Q6_K, the sub-block scales
+// of elements 0..15 (sca) and 16..31 (scb). `u` points at the unit's bytes of
+// the row (ggml block layouts); bi is the block within the unit.
+struct BxRowBlock {
+    unsigned int lo, hi;
+    float s, o;
+    int sca, scb;
+};
+
+template <int QT>
+__device__ __forceinline__ BxRowBlock bx_row_block(const unsigned char* u, int bi, int c) {
+    BxRowBlock f;
+    f.o = 0.0f;
+    f.sca = f.scb = 1;
+    if (QT == BX_Q8_0) {
+        const unsigned char* blk = u + 34 * bi;
+        f.s = bx_half(bx_u16(blk));
+        f.lo = bx_u32_a2(blk + 2 + 8 * c);
+        f.hi = bx_u32_a2(blk + 6 + 8 * c);
+    } else if (QT == BX_Q4_0 || QT == BX_Q4_1) {
+        // element i < 16: low nibble of qs[i]; i >= 16: high nibble of qs[i - 16]
+        constexpr int BB = QT == BX_Q4_0 ? 18 : 20;
+        const unsigned char* blk = u + BB * bi;
+        const unsigned char* qs = blk + BB - 16 + 8 * (c & 1);
+        f.s = bx_half(bx_u16(blk));
+        if (QT == BX_Q4_1) f.o = bx_half(bx_u16(blk + 2));
+        int sh = 4 * (c >> 1);
+        f.lo = (bx_u32_a2(qs) >> sh) & 0x0F0F0F0Fu;
+        f.hi = (bx_u32_a2(qs + 4) >> sh) & 0x0F0F0F0Fu;
+        if (QT == BX_Q4_0) {
+            f.lo = __vsub4(f.lo, 0x08080808u);
+            f.hi = __vsub4(f.hi, 0x08080808u);
         }
-    } else if (qtype == BX_Q4_K) {
-        const unsigned char* sup = row + 144 * (b >> 3);
-        int j = b & 7, sc, mn;
-        bx_q4k_scale_min(sup + 4, j, &sc, &mn);
-        *s = __fmul_rn(bx_half(bx_u16(sup)), (float)sc);
-        *o = -__fmul_rn(bx_half(bx_u16(sup + 2)), (float)mn);
-        const uint4* qs = (const uint4*)(sup + 16 + 32 * (j >> 1));  // 16-byte aligned
-        int sh = 4 * (j & 1);
-        uint4 a = qs[0], c = qs[1];
-        unsigned int u[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+    } else if (QT == BX_Q4_K) {
+        int sc, mn;
+        bx_q4k_scale_min(u + 4, bi, &sc, &mn);
+        f.s = __fmul_rn(bx_half(bx_u16(u)), (float)sc);
+        f.o = -__fmul_rn(bx_half(bx_u16(u + 2)), (float)mn);
+        uint2 q = *(const uint2*)(u + 16 + 32 * (bi >> 1) + 8 * c);  // 8-byte aligned
+        int sh = 4 * (bi & 1);
+        f.lo = (q.x >> sh) & 0x0F0F0F0Fu;
+        f.hi = (q.y >> sh) & 0x0F0F0F0Fu;
+    } else {  // BX_Q6_K: q6 - 32 (ggml dequantize_row_q6_K); scales applied to the integer sums
+        int h = bi >> 2, k = bi & 3;
+        f.s = bx_half(bx_u16(u + 208));
+        f.sca = (int)(signed char)u[192 + 2 * bi];
+        f.scb = (int)(signed char)u[193 + 2 * bi];
+        const unsigned char* ql = u + 64 * h + 32 * (k & 1) + 8 * c;
+        const unsigned char* qh = u + 128 + 32 * h + 8 * c;
+        int sl = 4 * (k >> 1), sq = 2 * k;
+        f.lo = __vsub4(((bx_u32_a2(ql) >> sl) & 0x0F0F0F0Fu) | (((bx_u32_a2(qh) >> sq) & 0x03030303u) << 4),
+                       0x20202020u);
+        f.hi = __vsub4(((bx_u32_a2(ql + 4) >> sl) & 0x0F0F0F0Fu) | (((bx_u32_a2(qh + 4) >> sq) & 0x03030303u) << 4),
+                       0x20202020u);
+    }
+    return f;
+}
+
+// C[16 x 8] (s32) = A[16 x 32] (s8, rows) * B[32 x 8] (s8, columns), one warp.
+__device__ __forceinline__ void bx_mma_s8(const unsigned int* a, unsigned int b0, unsigned int b1, int* d) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%10, %10, %10, %10};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+}
+
+__device__ __forceinline__ void bx_cp_async(void* smem, const void* gmem, int bytes) {
+    unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+    if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem));
+}
+
+// The contract lane value v[i] of lane `l` joins the counter st (levels 0..3);
+// after lane 2^k - 1 the subtree of lanes 0 .. 2^k - 1 is in st[k].
+__device__ __forceinline__ void bx_counter_push(float (&st)[4][4], float (&v)[4], int l) {
+    bool carry = true;
 #pragma unroll
-        for (int w = 0; w < 8; ++w) codes[w] = (int)((u[w] >> sh) & 0x0F0F0F0Fu);
-    } else {  // BX_Q6_K
-        const unsigned char* sup = row + 210 * (b >> 3);
-        int sb = b & 7;
-        *s = bx_half(bx_u16(sup + 208));
-        *sca = (int)(signed char)sup[192 + 2 * sb];
-        *scb = (int)(signed char)sup[192 + 2 * sb + 1];
+    for (int k = 0; k < 4; ++k) {
+        if (carry) {
+            if ((l >> k) & 1) {
 #pragma unroll
-        for (int w = 0; w < 8; ++w) {
-            unsigned int v = 0;
+                for (int i = 0; i < 4; ++i) v[i] = __fadd_rn(st[k][i], v[i]);
+            } else {
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                v |= ((unsigned int)(bx_q6k_value(sup, sb, 4 * w + i) - 32) & 0xFFu) << (8 * i);
-            codes[w] = (int)v;
+                for (int i = 0; i < 4; ++i) st[k][i] = v[i];
+                carry = false;
+            }
         }
     }
 }
 
-extern "C" __global__ void matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
-                                    const unsigned char* __restrict__ W2, float* __restrict__ y0,
-                                    float* __restrict__ y1, float* __restrict__ y2, int N0, int N1, int N2,
-                                    int qt0, int qt1, int qt2, int rb0, int rb1, int rb2,
-                                    const signed char* __restrict__ xq, const float* __restrict__ xd,
-                                    const int* __restrict__ xa, int M, int K, int g, int lanes, int blk0,
-                                    int b_off, int nbs) {
-    int lane = threadIdx.x & 31;
-    int per = 32 / lanes, sub = lane / lanes, l = lane & (lanes - 1);  // rows per warp, sub-warp, sub-lane
-    int w = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    int w0 = (N0 + per - 1) / per, w1 = (N1 + per - 1) / per, w2 = (N2 + per - 1) / per;
+// One warp's share of a tile: see the kernel's comment. stage: this warp's two
+// shared-memory stages; part: the block's subtree slots.
+template <int QT>
+__device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict__ W, float* __restrict__ y, int n0,
+                                                 int N, int row_bytes, const signed char* __restrict__ xq,
+                                                 const float* __restrict__ xd, const int* __restrict__ xa, int M,
+                                                 int m0, int K, int g, int lanes, int blk0, int b_off, int nbs,
+                                                 unsigned char* stage, float (*part)[4][32]) {
+    constexpr bool ASYM = QT == BX_Q4_1 || QT == BX_Q4_K;
+    constexpr bool SUPER = QT == BX_Q4_K || QT == BX_Q6_K;  // a unit is one super-block
+    constexpr int UB = QT == BX_Q8_0 ? 8 * 34 : QT == BX_Q4_0 ? 8 * 18 : QT == BX_Q4_1 ? 8 * 20
+                     : QT == BX_Q4_K ? 144 : 210;            // unit bytes per row
+    int lane = threadIdx.x & 31, gid = lane >> 2, c = lane & 3, split = threadIdx.x >> 5;
+    int nb = K >> 5;
+    int lw = lanes / MQ_SPLIT, l0 = split * lw, l = l0;     // this warp's contract lanes l0 .. l0 + lw - 1
+    int b_lo = min(l0 * g, nbs), b_hi = min((l0 + lw) * g, nbs);
+    // unit u covers weight blocks wu .. wu + 7 (SUPER: super-block aligned)
+    int wu0 = SUPER ? ((b_lo + b_off) & ~7) : b_lo + b_off;
+    int n_units = b_hi > b_lo ? (b_hi + b_off - wu0 + 7) / 8 : 0;
+    // unit u's bytes in a row start at off0 + u * UB; 16-byte copies where every row's unit is 16-byte aligned
+    size_t off0 = SUPER ? (size_t)(wu0 >> 3) * UB : (size_t)wu0 * (UB / 8);
+    bool wide = ((row_bytes | UB | (int)off0) & 15) == 0;
+    constexpr int NW = (UB + 6) / 4;  // otherwise 4-byte words: a row's unit starts (its address & 3) into them
+
+    // Issue the copies of unit u into stage buffer `buf`.
+    auto issue = [&](int u, int buf) {
+        unsigned char* sw = stage + buf * MQ_STAGE;
+        unsigned char* sq = sw + MQ_ROWS * MQ_WROW * 4;
+        float* sd = (float*)(sq + MQ_TM * 8 * 32);
+        int* sa = (int*)(sd + MQ_TM * 8);
+        int wu = wu0 + 8 * u;
+        size_t off = off0 + (size_t)u * UB;
+        if (wide) {
+            for (int i = lane; i < MQ_ROWS * (UB / 16); i += 32) {
+                int r = i / (UB / 16), ch = i - r * (UB / 16);
+                bx_cp_async(sw + r * MQ_WROW * 4 + 16 * ch,
+                            W + (size_t)min(n0 + r, N - 1) * row_bytes + off + 16 * ch, 16);
+            }
+        } else {  // may read up to 6 bytes past a row: the launcher pads every weight buffer
+            for (int i = lane; i < MQ_ROWS * NW; i += 32) {
+                int r = i / NW, wd = i - r * NW;
+                size_t at = ((size_t)min(n0 + r, N - 1) * row_bytes + off) & ~(size_t)3;
+                bx_cp_async(sw + r * MQ_WROW * 4 + 4 * wd, W + at + 4 * wd, 4);
+            }
+        }
+        // x: the unit's blocks that this warp computes (codes, d, a of 8 tokens; dead tokens read token M-1)
+        int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);
+        for (int i = lane; i < MQ_TM * 8 * 2; i += 32) {
+            int t = i >> 4, bi = (i >> 1) & 7, h = i & 1;
+            if (bi >= bi_lo && bi < bi_hi)
+                bx_cp_async(sq + (t * 8 + bi) * 32 + 16 * h,
+                            xq + (size_t)min(m0 + t, M - 1) * K + 32 * (blk0 + wu + bi - b_off) + 16 * h, 16);
+        }
+        for (int i = lane; i < MQ_TM * 8 * 2; i += 32) {
+            int t = (i >> 3) & 7, bi = i & 7;
+            size_t src = (size_t)min(m0 + t, M - 1) * nb + blk0 + wu + bi - b_off;
+            if (bi >= bi_lo && bi < bi_hi) {
+                if (i < MQ_TM * 8) bx_cp_async(sd + t * 8 + bi, xd + src, 4);
+                else if (ASYM) bx_cp_async(sa + t * 8 + bi, xa + src, 4);
+            }
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+    int mc[2] = {m0 + 2 * c, m0 + 2 * c + 1};  // the tokens of this thread's C elements
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // (row gid, mc0), (gid, mc1), (gid+8, mc0), (gid+8, mc1)
+    float st[4][4];
+    if (n_units > 0) issue(0, 0);
+    for (int u = 0; u < n_units; ++u) {
+        if (u + 1 < n_units) {
+            issue(u + 1, (u + 1) & 1);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+        __syncwarp();
+        const unsigned char* sw = stage + (u & 1) * MQ_STAGE;
+        const unsigned char* sq = sw + MQ_ROWS * MQ_WROW * 4;
+        const float* sd = (const float*)(sq + MQ_TM * 8 * 32);
+        const int* sa = (const int*)(sd + MQ_TM * 8);
+        int wu = wu0 + 8 * u;
+        size_t off = off0 + (size_t)u * UB;
+        const unsigned char* u0 = sw + gid * MQ_WROW * 4;
+        const unsigned char* u1 = sw + (gid + 8) * MQ_WROW * 4;
+        if (!wide) {
+            u0 += ((size_t)min(n0 + gid, N - 1) * row_bytes + off) & 3;
+            u1 += ((size_t)min(n0 + gid + 8, N - 1) * row_bytes + off) & 3;
+        }
+        int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);
+#pragma unroll
+        for (int bi = 0; bi < 8; ++bi) {
+            if (bi < bi_lo || bi >= bi_hi) continue;
+            BxRowBlock f0 = bx_row_block<QT>(u0, bi, c), f1 = bx_row_block<QT>(u1, bi, c);
+            uint2 bx = *(const uint2*)(sq + (gid * 8 + bi) * 32 + 8 * c);
+            int isum[4];
+            if (QT == BX_Q6_K) {  // two MMAs: elements 0..15 (threads c < 2) and 16..31 (c >= 2)
+                unsigned int z = 0u, a[4];
+                bool first = c < 2;
+                a[0] = first ? f0.lo : z; a[1] = first ? f1.lo : z;
+                a[2] = first ? f0.hi : z; a[3] = first ? f1.hi : z;
+                int ia[4], ib[4];
+                bx_mma_s8(a, bx.x, bx.y, ia);
+                a[0] = first ? z : f0.lo; a[1] = first ? z : f1.lo;
+                a[2] = first ? z : f0.hi; a[3] = first ? z : f1.hi;
+                bx_mma_s8(a, bx.x, bx.y, ib);
+                // ia, ib: rows (gid, gid, gid+8, gid+8); each row's own sub-block scales
+                isum[0] = f0.sca * ia[0] + f0.scb * ib[0];
+                isum[1] = f0.sca * ia[1] + f0.scb * ib[1];
+                isum[2] = f1.sca * ia[2] + f1.scb * ib[2];
+                isum[3] = f1.sca * ia[3] + f1.scb * ib[3];
+            } else {
+                unsigned int a[4] = {f0.lo, f1.lo, f0.hi, f1.hi};
+                bx_mma_s8(a, bx.x, bx.y, isum);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // dead tokens' sums are never written
+                const BxRowBlock& f = i < 2 ? f0 : f1;
+                float da = sd[(2 * c + (i & 1)) * 8 + bi];
+                float r = __fmul_rn(__fmul_rn(f.s, da), (float)isum[i]);
+                if (ASYM) r = __fadd_rn(r, __fmul_rn(__fmul_rn(f.o, da), (float)sa[(2 * c + (i & 1)) * 8 + bi]));
+                acc[i] = __fadd_rn(acc[i], r);
+            }
+            int b = wu + bi - b_off;
+            if (b + 1 == (l + 1) * g || b + 1 == nbs) {  // lane l's range is complete
+                bx_counter_push(st, acc, l - l0);
+                ++l;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+            }
+        }
+        __syncwarp();  // the buffer is refilled by the next issue
+    }
+    for (; l < l0 + lw; ++l) {  // lanes that own no block hold +0.0
+        float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        bx_counter_push(st, z, l - l0);
+    }
+    int top = 31 - __clz(lw);  // after its last lane the counter's level log2(lw) holds the warp's subtree
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        part[split][i][lane] = top == 0 ? st[0][i] : top == 1 ? st[1][i] : top == 2 ? st[2][i] : st[3][i];
+    __syncthreads();
+    if (split != 0) return;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // the tree's top levels over the warps' subtrees, neighbours first
+        float v[MQ_SPLIT];
+#pragma unroll
+        for (int s = 0; s < MQ_SPLIT; ++s) v[s] = part[s][i][lane];
+#pragma unroll
+        for (int w = 1; w < MQ_SPLIT; w <<= 1)
+#pragma unroll
+            for (int s = 0; s < MQ_SPLIT; s += 2 * w) v[s] = __fadd_rn(v[s], v[s + w]);
+        int n = n0 + gid + 8 * (i >> 1);
+        if (n < N && mc[i & 1] < M) y[(size_t)mc[i & 1] * N + n] = v[0];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * MQ_SPLIT)
+matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
+         const unsigned char* __restrict__ W2, float* __restrict__ y0, float* __restrict__ y1,
+         float* __restrict__ y2, int N0, int N1, int N2, int qt0, int qt1, int qt2, int rb0, int rb1, int rb2,
+         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xa, int M, int K,
+         int g, int lanes, int blk0, int b_off, int nbs) {
+    extern __shared__ __align__(16) unsigned char bx_smem[];  // MQ_SMEM bytes
+    int w = blockIdx.y;  // the row tile, over the matrices' tiles
+    int w0 = (N0 + MQ_ROWS - 1) / MQ_ROWS, w1 = (N1 + MQ_ROWS - 1) / MQ_ROWS, w2 = (N2 + MQ_ROWS - 1) / MQ_ROWS;
     const unsigned char* W = W0;
     float* y = y0;
     int N = N0, qtype = qt0, row_bytes = rb0;
@@ -119,45 +331,20 @@ extern "C" __global__ void matmul_q(const unsigned char* __restrict__ W0, const 
         if (w >= w1) {
             w -= w1;
             W = W2; y = y2; N = N2; qtype = qt2; row_bytes = rb2;
-            if (w >= w2) return;  // uniform per warp
+            if (w >= w2) return;  // uniform per block
         }
     }
-    int n = w * per + sub;
-    bool live = n < N;  // a sub-warp past the last row reads row N-1 and writes nothing
-    int nb = K >> 5;
-    int m0 = blockIdx.x * MQ_TM;
-    bool asym = qtype == BX_Q4_1 || qtype == BX_Q4_K;
-    const unsigned char* row = W + (size_t)min(n, N - 1) * row_bytes;
-    float acc[MQ_TM];
-#pragma unroll
-    for (int t = 0; t < MQ_TM; ++t) acc[t] = 0.0f;
-    for (int j = 0; j < g; ++j) {
-        int b = l * g + j;
-        if (b >= nbs) break;
-        int codes[8], sca, scb;
-        float s, o;
-        bx_load_block(row, qtype, b + b_off, codes, &s, &o, &sca, &scb);
-        int xb = blk0 + b;
-#pragma unroll
-        for (int t = 0; t < MQ_TM; ++t) {
-            int m = m0 + t;
-            if (m >= M) break;
-            const int4* qa = (const int4*)(xq + (size_t)m * K + 32 * xb);  // 16-byte aligned: K % 32 == 0
-            int4 a0 = qa[0], a1 = qa[1];
-            int i0 = __dp4a(codes[3], a0.w, __dp4a(codes[2], a0.z, __dp4a(codes[1], a0.y, __dp4a(codes[0], a0.x, 0))));
-            int i1 = __dp4a(codes[7], a1.w, __dp4a(codes[6], a1.z, __dp4a(codes[5], a1.y, __dp4a(codes[4], a1.x, 0))));
-            int isum = sca * i0 + scb * i1;
-            float da = xd[(size_t)m * nb + xb];
-            float r = __fmul_rn(__fmul_rn(s, da), (float)isum);
-            if (asym) r = __fadd_rn(r, __fmul_rn(__fmul_rn(o, da), (float)xa[(size_t)m * nb + xb]));
-            acc[t] = __fadd_rn(acc[t], r);
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < MQ_TM; ++t) {
-        float v = bx_butterfly_lanes(acc[t], lanes);
-        if (l == 0 && live && m0 + t < M) y[(size_t)(m0 + t) * N + n] = v;
-    }
+    int n0 = w * MQ_ROWS, m0 = blockIdx.x * MQ_TM;
+    unsigned char* stage = bx_smem + (threadIdx.x >> 5) * 2 * MQ_STAGE;
+    float(*part)[4][32] = (float(*)[4][32])(bx_smem + MQ_SPLIT * 2 * MQ_STAGE);
+#define BX_MQ(QT) bx_matmul_q_warp<QT>(W, y, n0, N, row_bytes, xq, xd, xa, M, m0, K, g, lanes, blk0, b_off, nbs, \
+                                       stage, part)
+    if (qtype == BX_Q8_0) BX_MQ(BX_Q8_0);
+    else if (qtype == BX_Q4_0) BX_MQ(BX_Q4_0);
+    else if (qtype == BX_Q4_1) BX_MQ(BX_Q4_1);
+    else if (qtype == BX_Q4_K) BX_MQ(BX_Q4_K);
+    else BX_MQ(BX_Q6_K);
+#undef BX_MQ
 }
 
 // ---- lane_major: x [M, K] -> the lane-major layout matmul_f reads ----------
@@ -185,7 +372,7 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 // (chunk j*lanes + l), sub-lane l reads x's chunk j*32 + lane0 + l, and the
 // lowest log2(lanes) butterfly levels give the shard's partial.
 // Tile constants, chosen by timing variants on one NVIDIA H200 over the 8B
-// shapes at batch 1, 8 and 32 (scripts/tune_matmul_f.py compiles variants with
+// shapes at batch 1, 8 and 32 (scripts/tune_matmul.py compiles variants with
 // -D; docs/benchmarks.md); none changes any sum. The node compiles the defaults.
 #ifndef MF_WARPS
 #define MF_WARPS 8   // warps per block (node/backend_cuda.py MF_WARPS)

@@ -30,8 +30,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.cu", "residual.cu",
                 "embed.cu", "sampler.cu", "tp.cu")
 MQ_TM = 8  # tokens per warp in matmul_q / matmul_f (cuda/matmul.cu)
-MQ_WARPS, MF_WARPS = 4, 8  # warps per block of matmul_q / matmul_f
-MF_ROWS = 2  # output rows per warp of matmul_f (matmul_q: 1)
+MQ_SPLIT, MF_WARPS = 4, 8  # warps per block of matmul_q (one tile, K split by contract lanes) / matmul_f
+MQ_ROWS, MF_ROWS = 16, 2  # output rows per warp of matmul_q (the MMA's M) / matmul_f
+
+
+def mq_smem(split: int = MQ_SPLIT) -> int:
+    """Dynamic shared memory of a matmul_q block in bytes (cuda/matmul.cu MQ_SMEM)."""
+    stage = MQ_ROWS * 72 * 4 + MQ_TM * 8 * 32 + 2 * MQ_TM * 8 * 4
+    return split * 2 * stage + split * 4 * 32 * 4
 ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
 SUPER_BLOCKS = {"Q4_K": 8, "Q6_K": 8}  # 32-element blocks per super-block (ggml k-quants); others: 1
 MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
@@ -162,7 +168,7 @@ class CudaBackend:
                 ("rope.cu", ("rope",)), ("attention.cu", ("kv_store", "attention_split", "attention_combine")),
                 ("activation.cu", ("silu_gate",)), ("residual.cu", ("residual_add",)), ("embed.cu", ("embed",)),
                 ("sampler.cu", ("argmax", "sample_keys", "sample_sorted")), ("tp.cu", ("tp_combine",))) for n in names}
-            for n in ("rms_norm", "attention_split"):
+            for n in ("rms_norm", "attention_split", "matmul_q"):
                 self.k[n].max_dynamic_shared_size_bytes = MAX_SMEM
             # Float matrices are kept lane-major for matmul_f (token_embd stays
             # row-major for embed, plus a matrix of its own when it is the LM head).
@@ -214,8 +220,11 @@ class CudaBackend:
         raw = np.ascontiguousarray(raw)
         if t.qtype in FLOAT_TYPES:
             elem = raw.view(np.uint32 if ESIZE[t.qtype] == 4 else np.uint16)
-            raw = lane_major(elem, lane_width(t.cols, ESIZE[t.qtype]), lanes)
-        return Mat(self.cp.asarray(raw), rows, t.qtype, t.cols, lanes, lane0, b_off, terms)
+            return Mat(self.cp.asarray(lane_major(elem, lane_width(t.cols, ESIZE[t.qtype]), lanes)), rows,
+                       t.qtype, t.cols, lanes, lane0, b_off, terms)
+        buf = self.cp.zeros(raw.size + 16, self.cp.uint8)  # matmul_q's 4-byte copies may read 6 bytes past the end
+        buf[:raw.size] = self.cp.asarray(raw.reshape(-1))
+        return Mat(buf[:raw.size].reshape(raw.shape), rows, t.qtype, t.cols, lanes, lane0, b_off, terms)
 
     # ---- host/device -------------------------------------------------------
     def to_host(self, x) -> np.ndarray:
@@ -284,7 +293,8 @@ class CudaBackend:
         _check(k == w0.k and d.shape == (m, nb) and a.shape == (m, nb), f"matmul_q {names} K={w0.k}")
         _check(q.flags.c_contiguous and q.data.ptr % 16 == 0, "matmul_q: x codes contiguous, 16-byte aligned")
         _check(all(w.qtype not in FLOAT_TYPES for w in ms), "matmul_q takes quantized weights")
-        _check(w0.lanes in (4, 8, 16, 32) and w0.lane0 % w0.lanes == 0 and w0.lane0 * g + nbs <= nb
+        _check(w0.lanes in (4, 8, 16, 32) and w0.lanes >= MQ_SPLIT and w0.lane0 % w0.lanes == 0
+               and w0.lane0 * g + nbs <= nb
                and nbs <= w0.lanes * g, f"matmul_q {names}: shard of lanes {w0.lane0}+{w0.lanes}, {nbs} blocks")
         ys = [cp.empty((m, w.rows), cp.float32) for w in ms]
         pad = 3 - len(ms)
@@ -292,10 +302,11 @@ class CudaBackend:
         yy = ys + [ys[0]] * pad
         qt = [QTYPE_IDS[w.qtype] for w in ms] + [0] * pad
         rb = [w.data.shape[1] for w in ms] + [0] * pad
-        self.k["matmul_q"](self._matmul_grid(m, rows, MQ_WARPS, WARP // w0.lanes), (32 * MQ_WARPS,),
+        self.k["matmul_q"](self._matmul_grid(m, rows, 1, MQ_ROWS), (32 * MQ_SPLIT,),
                            (*ws, *yy, *(np.int32(r) for r in rows), *(np.int32(v) for v in qt),
                             *(np.int32(v) for v in rb), q, d, a, np.int32(m), np.int32(k), np.int32(g),
-                            np.int32(w0.lanes), np.int32(w0.lane0 * g), np.int32(w0.b_off), np.int32(nbs)))
+                            np.int32(w0.lanes), np.int32(w0.lane0 * g), np.int32(w0.b_off), np.int32(nbs)),
+                           shared_mem=mq_smem())
         return ys
 
     def launch_lane_major(self, x, v):
@@ -317,7 +328,7 @@ class CudaBackend:
         w0 = ms[0]
         _check(xl.dtype == cp.float32 and xl.flags.c_contiguous and k == w0.k, f"matmul_f {names} K={k}")
         _check(len({w.qtype for w in ms}) == 1 and w0.qtype in FLOAT_TYPES, "matmul_f: one float weight type")
-        _check(w0.lanes in (4, 8, 16, 32) and w0.lane0 % w0.lanes == 0 and w0.lane0 + w0.lanes <= WARP
+        _check(w0.lanes in (4, 8, 16, 32) and w0.lanes >= MQ_SPLIT and w0.lane0 % w0.lanes == 0 and w0.lane0 + w0.lanes <= WARP
                and w0.data.shape == (w0.rows, w0.lanes * (k // WARP)), f"matmul_f {names}: lane shard")
         ys = [cp.empty((m, w.rows), cp.float32) for w in ms]
         pad = 3 - len(ms)
