@@ -34,13 +34,13 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 }
 
 // ---- matmul_q: int8 tensor-core MMA per block, the contract's fold per output
-// A tile is MQ_ROWS = 16 output rows by MQ_TM = 8 tokens, one block of
+// A tile is MQ_ROWS = 16 output rows by MQ_TT = 8 * MQ_NT tokens, one block of
 // MQ_SPLIT warps; warp s walks the blocks of contract lanes s*lw .. s*lw+lw-1
 // (lw = lanes / MQ_SPLIT), and the warps' subtrees meet as the tree's top
 // levels in shared memory. For each 32-element block b, one mma.sync
-// m16n8k32 (s8 x s8 -> s32) gives the exact integer I_b of all 16 x 8
+// m16n8k32 (s8 x s8 -> s32) per 8 tokens gives the exact integer I_b of 16 x 8
 // outputs (integer sums are order-free). Thread (gid = lane >> 2, c = lane & 3)
-// owns the MMA's C elements (rows gid and gid + 8, tokens 2c and 2c + 1) and
+// owns the MMAs' C elements (rows gid and gid + 8, tokens 8t + 2c and 8t + 2c + 1) and
 // folds r_b into them in ascending b: the running sum of contract lane L's
 // range (blocks L*g .. L*g+g-1); when a range ends its value joins a binary
 // counter, which adds neighbours first exactly as warp_sum's xor-butterfly
@@ -56,14 +56,20 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 // unit streams in while this one is computed.
 // MMA k-slot order is free as long as A and B agree: thread c's k-slots
 // 4c..4c+3 and 16+4c..16+4c+3 hold the block's elements 8c..8c+7.
-#define MQ_TM 8     // tokens per tile (the MMA's N)
+#define MQ_TM 8     // tokens per warp of matmul_f; the MMA's N
 #define MQ_ROWS 16  // output rows per tile (the MMA's M)
+// Tile constants (node/backend_cuda.py; none changes any sum; scripts/tune_matmul.py times variants):
 #ifndef MQ_SPLIT
-#define MQ_SPLIT 4  // warps per tile (node/backend_cuda.py MQ_SPLIT; tile constant, changes no sum)
+#define MQ_SPLIT 4  // warps per tile
 #endif
+#ifndef MQ_NT
+#define MQ_NT 1     // MMAs of 8 tokens per tile
+#endif
+#define MQ_TT (8 * MQ_NT)                  // tokens per tile
+#define MQ_NV (4 * MQ_NT)                  // C elements per thread
 #define MQ_WROW 72                         // words per staged weight row (>= 272 bytes + 2, 8-word multiple)
-#define MQ_STAGE (MQ_ROWS * MQ_WROW * 4 + MQ_TM * 8 * 32 + 2 * MQ_TM * 8 * 4)  // bytes per stage
-#define MQ_SMEM (MQ_SPLIT * 2 * MQ_STAGE + MQ_SPLIT * 4 * 32 * 4)                 // node/backend_cuda.py
+#define MQ_STAGE (MQ_ROWS * MQ_WROW * 4 + MQ_TT * 8 * 32 + 2 * MQ_TT * 8 * 4)  // bytes per stage
+#define MQ_SMEM (MQ_SPLIT * 2 * MQ_STAGE + MQ_SPLIT * MQ_NV * 32 * 4)            // node/backend_cuda.py mq_smem
 
 // Elements 8c..8c+7 of a weight block as int8 codes: lo = 8c..8c+3, hi =
 // 8c+4..8c+7; the scale s, the offset o and, for Q6_K, the sub-block scales
@@ -140,17 +146,17 @@ __device__ __forceinline__ void bx_cp_async(void* smem, const void* gmem, int by
 
 // The contract lane value v[i] of lane `l` joins the counter st (levels 0..3);
 // after lane 2^k - 1 the subtree of lanes 0 .. 2^k - 1 is in st[k].
-__device__ __forceinline__ void bx_counter_push(float (&st)[4][4], float (&v)[4], int l) {
+__device__ __forceinline__ void bx_counter_push(float (&st)[4][MQ_NV], float (&v)[MQ_NV], int l) {
     bool carry = true;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         if (carry) {
             if ((l >> k) & 1) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) v[i] = __fadd_rn(st[k][i], v[i]);
+                for (int i = 0; i < MQ_NV; ++i) v[i] = __fadd_rn(st[k][i], v[i]);
             } else {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) st[k][i] = v[i];
+                for (int i = 0; i < MQ_NV; ++i) st[k][i] = v[i];
                 carry = false;
             }
         }
@@ -164,7 +170,7 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
                                                  int N, int row_bytes, const signed char* __restrict__ xq,
                                                  const float* __restrict__ xd, const int* __restrict__ xa, int M,
                                                  int m0, int K, int g, int lanes, int blk0, int b_off, int nbs,
-                                                 unsigned char* stage, float (*part)[4][32]) {
+                                                 unsigned char* stage, float (*part)[MQ_NV][32]) {
     constexpr bool ASYM = QT == BX_Q4_1 || QT == BX_Q4_K;
     constexpr bool SUPER = QT == BX_Q4_K || QT == BX_Q6_K;  // a unit is one super-block
     constexpr int UB = QT == BX_Q8_0 ? 8 * 34 : QT == BX_Q4_0 ? 8 * 18 : QT == BX_Q4_1 ? 8 * 20
@@ -185,8 +191,8 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
     auto issue = [&](int u, int buf) {
         unsigned char* sw = stage + buf * MQ_STAGE;
         unsigned char* sq = sw + MQ_ROWS * MQ_WROW * 4;
-        float* sd = (float*)(sq + MQ_TM * 8 * 32);
-        int* sa = (int*)(sd + MQ_TM * 8);
+        float* sd = (float*)(sq + MQ_TT * 8 * 32);
+        int* sa = (int*)(sd + MQ_TT * 8);
         int wu = wu0 + 8 * u;
         size_t off = off0 + (size_t)u * UB;
         if (wide) {
@@ -204,26 +210,28 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         }
         // x: the unit's blocks that this warp computes (codes, d, a of 8 tokens; dead tokens read token M-1)
         int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);
-        for (int i = lane; i < MQ_TM * 8 * 2; i += 32) {
+        for (int i = lane; i < MQ_TT * 8 * 2; i += 32) {
             int t = i >> 4, bi = (i >> 1) & 7, h = i & 1;
             if (bi >= bi_lo && bi < bi_hi)
                 bx_cp_async(sq + (t * 8 + bi) * 32 + 16 * h,
                             xq + (size_t)min(m0 + t, M - 1) * K + 32 * (blk0 + wu + bi - b_off) + 16 * h, 16);
         }
-        for (int i = lane; i < MQ_TM * 8 * 2; i += 32) {
-            int t = (i >> 3) & 7, bi = i & 7;
+        for (int i = lane; i < MQ_TT * 8 * 2; i += 32) {
+            int t = (i >> 3) % MQ_TT, bi = i & 7;
             size_t src = (size_t)min(m0 + t, M - 1) * nb + blk0 + wu + bi - b_off;
             if (bi >= bi_lo && bi < bi_hi) {
-                if (i < MQ_TM * 8) bx_cp_async(sd + t * 8 + bi, xd + src, 4);
+                if (i < MQ_TT * 8) bx_cp_async(sd + t * 8 + bi, xd + src, 4);
                 else if (ASYM) bx_cp_async(sa + t * 8 + bi, xa + src, 4);
             }
         }
         asm volatile("cp.async.commit_group;");
     };
 
-    int mc[2] = {m0 + 2 * c, m0 + 2 * c + 1};  // the tokens of this thread's C elements
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // (row gid, mc0), (gid, mc1), (gid+8, mc0), (gid+8, mc1)
-    float st[4][4];
+    // C element 4t + j: row gid + 8 * (j >> 1), token m0 + 8t + 2c + (j & 1)
+    float acc[MQ_NV], st[4][MQ_NV];
+#pragma unroll
+    for (int i = 0; i < MQ_NV; ++i) acc[i] = 0.0f;
+    int live_nt = min(MQ_NT, (M - m0 + 7) / 8);  // MMAs with a live token
     if (n_units > 0) issue(0, 0);
     for (int u = 0; u < n_units; ++u) {
         if (u + 1 < n_units) {
@@ -235,8 +243,8 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         __syncwarp();
         const unsigned char* sw = stage + (u & 1) * MQ_STAGE;
         const unsigned char* sq = sw + MQ_ROWS * MQ_WROW * 4;
-        const float* sd = (const float*)(sq + MQ_TM * 8 * 32);
-        const int* sa = (const int*)(sd + MQ_TM * 8);
+        const float* sd = (const float*)(sq + MQ_TT * 8 * 32);
+        const int* sa = (const int*)(sd + MQ_TT * 8);
         int wu = wu0 + 8 * u;
         size_t off = off0 + (size_t)u * UB;
         const unsigned char* u0 = sw + gid * MQ_WROW * 4;
@@ -250,57 +258,64 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         for (int bi = 0; bi < 8; ++bi) {
             if (bi < bi_lo || bi >= bi_hi) continue;
             BxRowBlock f0 = bx_row_block<QT>(u0, bi, c), f1 = bx_row_block<QT>(u1, bi, c);
-            uint2 bx = *(const uint2*)(sq + (gid * 8 + bi) * 32 + 8 * c);
-            int isum[4];
-            if (QT == BX_Q6_K) {  // two MMAs: elements 0..15 (threads c < 2) and 16..31 (c >= 2)
-                unsigned int z = 0u, a[4];
-                bool first = c < 2;
-                a[0] = first ? f0.lo : z; a[1] = first ? f1.lo : z;
-                a[2] = first ? f0.hi : z; a[3] = first ? f1.hi : z;
-                int ia[4], ib[4];
-                bx_mma_s8(a, bx.x, bx.y, ia);
-                a[0] = first ? z : f0.lo; a[1] = first ? z : f1.lo;
-                a[2] = first ? z : f0.hi; a[3] = first ? z : f1.hi;
-                bx_mma_s8(a, bx.x, bx.y, ib);
-                // ia, ib: rows (gid, gid, gid+8, gid+8); each row's own sub-block scales
-                isum[0] = f0.sca * ia[0] + f0.scb * ib[0];
-                isum[1] = f0.sca * ia[1] + f0.scb * ib[1];
-                isum[2] = f1.sca * ia[2] + f1.scb * ib[2];
-                isum[3] = f1.sca * ia[3] + f1.scb * ib[3];
-            } else {
-                unsigned int a[4] = {f0.lo, f1.lo, f0.hi, f1.hi};
-                bx_mma_s8(a, bx.x, bx.y, isum);
-            }
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {  // dead tokens' sums are never written
-                const BxRowBlock& f = i < 2 ? f0 : f1;
-                float da = sd[(2 * c + (i & 1)) * 8 + bi];
-                float r = __fmul_rn(__fmul_rn(f.s, da), (float)isum[i]);
-                if (ASYM) r = __fadd_rn(r, __fmul_rn(__fmul_rn(f.o, da), (float)sa[(2 * c + (i & 1)) * 8 + bi]));
-                acc[i] = __fadd_rn(acc[i], r);
+            for (int t = 0; t < MQ_NT; ++t) {
+                if (t >= live_nt) break;
+                uint2 bx = *(const uint2*)(sq + ((8 * t + gid) * 8 + bi) * 32 + 8 * c);
+                int isum[4];
+                if (QT == BX_Q6_K) {  // two MMAs: elements 0..15 (threads c < 2) and 16..31 (c >= 2)
+                    unsigned int z = 0u, a[4];
+                    bool first = c < 2;
+                    a[0] = first ? f0.lo : z; a[1] = first ? f1.lo : z;
+                    a[2] = first ? f0.hi : z; a[3] = first ? f1.hi : z;
+                    int ia[4], ib[4];
+                    bx_mma_s8(a, bx.x, bx.y, ia);
+                    a[0] = first ? z : f0.lo; a[1] = first ? z : f1.lo;
+                    a[2] = first ? z : f0.hi; a[3] = first ? z : f1.hi;
+                    bx_mma_s8(a, bx.x, bx.y, ib);
+                    // ia, ib: rows (gid, gid, gid+8, gid+8); each row's own sub-block scales
+                    isum[0] = f0.sca * ia[0] + f0.scb * ib[0];
+                    isum[1] = f0.sca * ia[1] + f0.scb * ib[1];
+                    isum[2] = f1.sca * ia[2] + f1.scb * ib[2];
+                    isum[3] = f1.sca * ia[3] + f1.scb * ib[3];
+                } else {
+                    unsigned int a[4] = {f0.lo, f1.lo, f0.hi, f1.hi};
+                    bx_mma_s8(a, bx.x, bx.y, isum);
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {  // dead tokens' sums are never written
+                    const BxRowBlock& f = j < 2 ? f0 : f1;
+                    int tk = 8 * t + 2 * c + (j & 1);
+                    float da = sd[tk * 8 + bi];
+                    float r = __fmul_rn(__fmul_rn(f.s, da), (float)isum[j]);
+                    if (ASYM) r = __fadd_rn(r, __fmul_rn(__fmul_rn(f.o, da), (float)sa[tk * 8 + bi]));
+                    acc[4 * t + j] = __fadd_rn(acc[4 * t + j], r);
+                }
             }
             int b = wu + bi - b_off;
             if (b + 1 == (l + 1) * g || b + 1 == nbs) {  // lane l's range is complete
                 bx_counter_push(st, acc, l - l0);
                 ++l;
 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+                for (int i = 0; i < MQ_NV; ++i) acc[i] = 0.0f;
             }
         }
         __syncwarp();  // the buffer is refilled by the next issue
     }
     for (; l < l0 + lw; ++l) {  // lanes that own no block hold +0.0
-        float z[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float z[MQ_NV];
+#pragma unroll
+        for (int i = 0; i < MQ_NV; ++i) z[i] = 0.0f;
         bx_counter_push(st, z, l - l0);
     }
     int top = 31 - __clz(lw);  // after its last lane the counter's level log2(lw) holds the warp's subtree
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < MQ_NV; ++i)
         part[split][i][lane] = top == 0 ? st[0][i] : top == 1 ? st[1][i] : top == 2 ? st[2][i] : st[3][i];
     __syncthreads();
     if (split != 0) return;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {  // the tree's top levels over the warps' subtrees, neighbours first
+    for (int i = 0; i < MQ_NV; ++i) {  // the tree's top levels over the warps' subtrees, neighbours first
         float v[MQ_SPLIT];
 #pragma unroll
         for (int s = 0; s < MQ_SPLIT; ++s) v[s] = part[s][i][lane];
@@ -308,8 +323,8 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         for (int w = 1; w < MQ_SPLIT; w <<= 1)
 #pragma unroll
             for (int s = 0; s < MQ_SPLIT; s += 2 * w) v[s] = __fadd_rn(v[s], v[s + w]);
-        int n = n0 + gid + 8 * (i >> 1);
-        if (n < N && mc[i & 1] < M) y[(size_t)mc[i & 1] * N + n] = v[0];
+        int n = n0 + gid + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c + (i & 1);
+        if (n < N && m < M) y[(size_t)m * N + n] = v[0];
     }
 }
 
@@ -334,9 +349,9 @@ matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
             if (w >= w2) return;  // uniform per block
         }
     }
-    int n0 = w * MQ_ROWS, m0 = blockIdx.x * MQ_TM;
+    int n0 = w * MQ_ROWS, m0 = blockIdx.x * MQ_TT;
     unsigned char* stage = bx_smem + (threadIdx.x >> 5) * 2 * MQ_STAGE;
-    float(*part)[4][32] = (float(*)[4][32])(bx_smem + MQ_SPLIT * 2 * MQ_STAGE);
+    float(*part)[MQ_NV][32] = (float(*)[MQ_NV][32])(bx_smem + MQ_SPLIT * 2 * MQ_STAGE);
 #define BX_MQ(QT) bx_matmul_q_warp<QT>(W, y, n0, N, row_bytes, xq, xd, xa, M, m0, K, g, lanes, blk0, b_off, nbs, \
                                        stage, part)
     if (qtype == BX_Q8_0) BX_MQ(BX_Q8_0);

@@ -31,13 +31,14 @@ KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.c
                 "embed.cu", "sampler.cu", "tp.cu")
 MQ_TM = 8  # tokens per warp in matmul_q / matmul_f (cuda/matmul.cu)
 MQ_SPLIT, MF_WARPS = 4, 8  # warps per block of matmul_q (one tile, K split by contract lanes) / matmul_f
-MQ_ROWS, MF_ROWS = 16, 2  # output rows per warp of matmul_q (the MMA's M) / matmul_f
+MQ_ROWS, MF_ROWS = 16, 2  # output rows per tile of matmul_q (the MMA's M) / per warp of matmul_f
+MQ_NT = 1  # 8-token MMAs per matmul_q tile (2 measured no faster at batch 32, slower at 1)
 
 
-def mq_smem(split: int = MQ_SPLIT) -> int:
+def mq_smem(split: int = MQ_SPLIT, nt: int = MQ_NT) -> int:
     """Dynamic shared memory of a matmul_q block in bytes (cuda/matmul.cu MQ_SMEM)."""
-    stage = MQ_ROWS * 72 * 4 + MQ_TM * 8 * 32 + 2 * MQ_TM * 8 * 4
-    return split * 2 * stage + split * 4 * 32 * 4
+    stage = MQ_ROWS * 72 * 4 + 8 * nt * 8 * 32 + 2 * 8 * nt * 8 * 4
+    return split * 2 * stage + split * 4 * nt * 32 * 4
 ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
 SUPER_BLOCKS = {"Q4_K": 8, "Q6_K": 8}  # 32-element blocks per super-block (ggml k-quants); others: 1
 MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
@@ -274,11 +275,11 @@ class CudaBackend:
         _check(all(m.rows > 0 for m in ms), f"fused matmul of {names}: no empty matrix")
         return ms, [m.rows for m in ms] + [0] * (3 - len(ms))
 
-    def _matmul_grid(self, m, rows, warps, rows_per_warp=1):
+    def _matmul_grid(self, m, rows, warps, rows_per_warp=1, tokens=MQ_TM):
         """Grid of matmul_q / matmul_f: (token tiles, blocks); each matrix starts at a warp of its own."""
         blocks = -(-sum(-(-r // rows_per_warp) for r in rows) // warps)
         _check(blocks <= 65535, f"matmul rows {sum(rows)} exceed the grid")
-        return ((m + MQ_TM - 1) // MQ_TM, blocks)
+        return ((m + tokens - 1) // tokens, blocks)
 
     def launch_matmul_q(self, xq, names):
         """Quantized products of one quantized input with 1-3 matrices of the same K
@@ -302,7 +303,7 @@ class CudaBackend:
         yy = ys + [ys[0]] * pad
         qt = [QTYPE_IDS[w.qtype] for w in ms] + [0] * pad
         rb = [w.data.shape[1] for w in ms] + [0] * pad
-        self.k["matmul_q"](self._matmul_grid(m, rows, 1, MQ_ROWS), (32 * MQ_SPLIT,),
+        self.k["matmul_q"](self._matmul_grid(m, rows, 1, MQ_ROWS, 8 * MQ_NT), (32 * MQ_SPLIT,),
                            (*ws, *yy, *(np.int32(r) for r in rows), *(np.int32(v) for v in qt),
                             *(np.int32(v) for v in rb), q, d, a, np.int32(m), np.int32(k), np.int32(g),
                             np.int32(w0.lanes), np.int32(w0.lane0 * g), np.int32(w0.b_off), np.int32(nbs)),

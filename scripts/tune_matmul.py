@@ -1,8 +1,8 @@
 """Time variants of the matmul_f or matmul_q tile constants on the Llama-3.1-8B product shapes.
 
 Each variant is cuda/matmul.cu compiled with the pinned options plus ``-D``
-overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB; matmul_q: MQ_U,
-MQ_SPLIT, MQ_MINB; none of them changes any sum). matmul_f reads BF16
+overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB; matmul_q: MQ_SPLIT,
+MQ_NT; none of them changes any sum). matmul_f reads BF16
 weights, matmul_q Q4_K weights (random codes and scales) and activations
 quantized by quantize_q8. For each product (Q/K/V fused, O, gate/up fused,
 down, LM head) and batch 1, 8, 32 it replays a CUDA graph of 20 launches that
@@ -10,7 +10,7 @@ cycle over weight copies larger than L2, and reports microseconds per launch,
 GB/s of weights, and whether the output bytes equal the first variant's.
 
     python scripts/tune_matmul.py --out tune.json "" "-DMF_ROWS=1 -DMF_BYTES=64" ...
-    python scripts/tune_matmul.py --kernel matmul_q --out tuneq.json "" "-DMQ_U=2" ...
+    python scripts/tune_matmul.py --kernel matmul_q --out tuneq.json -- "" "-DMQ_NT=2" ...
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHAPES = {"qkv": ([4096, 1024, 1024], 4096), "o": ([4096], 4096), "gu": ([14336, 14336], 4096),
           "down": ([4096], 14336), "head": ([128256], 4096)}
 BATCHES = (1, 8, 32)
-DEFAULTS = {"MF_ROWS": 2, "MF_WARPS": 8, "MQ_SPLIT": 4}
+DEFAULTS = {"MF_ROWS": 2, "MF_WARPS": 8, "MQ_SPLIT": 4, "MQ_NT": 1}
 Q4_K_BYTES = 144  # per 256-element super-block
 
 
@@ -73,8 +73,9 @@ def time_variant(cp, kernel, fns, params, ns, k, x, wsets, reps=20):
         nb = k // 32
         q, d, a = cp.empty((m, k), cp.int8), cp.empty((m, nb), cp.float32), cp.empty((m, nb), cp.int32)
         quantize(((32 * m * nb + 255) // 256,), (256,), (x, q, d, a, np.int32(m), np.int32(k)))
-        grid, block = ((m + 7) // 8, sum(-(-n // 16) for n in ns)), (32 * params["MQ_SPLIT"],)
-        smem = mq_smem(params["MQ_SPLIT"])
+        tt = 8 * params["MQ_NT"]
+        grid, block = ((m + tt - 1) // tt, sum(-(-n // 16) for n in ns)), (32 * params["MQ_SPLIT"],)
+        smem = mq_smem(params["MQ_SPLIT"], params["MQ_NT"])
         fn.max_dynamic_shared_size_bytes = smem
         rb = k // 256 * Q4_K_BYTES
         tail = (*(np.int32(6) for _ in range(3)), *(np.int32(rb) for _ in range(3)), q, d, a, np.int32(m),
