@@ -195,13 +195,15 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         int* sa = (int*)(sd + MQ_TT * 8);
         int wu = wu0 + 8 * u;
         size_t off = off0 + (size_t)u * UB;
+        // A flat type's unit may run up to 7 blocks past the row's last block (into the next row, or
+        // into the padding node/backend_cuda.py _upload leaves after the last row); those bytes are not used.
         if (wide) {
             for (int i = lane; i < MQ_ROWS * (UB / 16); i += 32) {
                 int r = i / (UB / 16), ch = i - r * (UB / 16);
                 bx_cp_async(sw + r * MQ_WROW * 4 + 16 * ch,
                             W + (size_t)min(n0 + r, N - 1) * row_bytes + off + 16 * ch, 16);
             }
-        } else {  // may read up to 6 bytes past a row: the launcher pads every weight buffer
+        } else {  // 4-byte words: up to 6 bytes more
             for (int i = lane; i < MQ_ROWS * NW; i += 32) {
                 int r = i / NW, wd = i - r * NW;
                 size_t at = ((size_t)min(n0 + r, N - 1) * row_bytes + off) & ~(size_t)3;

@@ -223,7 +223,8 @@ class CudaBackend:
             elem = raw.view(np.uint32 if ESIZE[t.qtype] == 4 else np.uint16)
             return Mat(self.cp.asarray(lane_major(elem, lane_width(t.cols, ESIZE[t.qtype]), lanes)), rows,
                        t.qtype, t.cols, lanes, lane0, b_off, terms)
-        buf = self.cp.zeros(raw.size + 16, self.cp.uint8)  # matmul_q's 4-byte copies may read 6 bytes past the end
+        # matmul_q stages units of 8 blocks: the last row's may run 7 blocks (<= 238 bytes) plus 6 bytes past it
+        buf = self.cp.zeros(raw.size + 256, self.cp.uint8)
         buf[:raw.size] = self.cp.asarray(raw.reshape(-1))
         return Mat(buf[:raw.size].reshape(raw.shape), rows, t.qtype, t.cols, lanes, lane0, b_off, terms)
 
