@@ -62,6 +62,8 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 #ifndef MQ_SPLIT
 #define MQ_SPLIT 4  // warps per tile
 #endif
+// bx_counter_push holds 4 levels, so a warp may own at most 8 of the 32 lanes (launcher: lanes >= MQ_SPLIT)
+static_assert(MQ_SPLIT == 4 || MQ_SPLIT == 8, "MQ_SPLIT must be 4 or 8");
 #ifndef MQ_NT
 #define MQ_NT 1     // MMAs of 8 tokens per tile
 #endif

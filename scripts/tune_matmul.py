@@ -1,8 +1,8 @@
 """Time variants of the matmul_f or matmul_q tile constants on the Llama-3.1-8B product shapes.
 
 Each variant is cuda/matmul.cu compiled with the pinned options plus ``-D``
-overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB; matmul_q: MQ_SPLIT,
-MQ_NT; none of them changes any sum). matmul_f reads BF16
+overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB; matmul_q: MQ_SPLIT
+of 4 or 8, MQ_NT; none of them changes any sum). matmul_f reads BF16
 weights, matmul_q Q4_K weights (random codes and scales) and activations
 quantized by quantize_q8. For each product (Q/K/V fused, O, gate/up fused,
 down, LM head) and batch 1, 8, 32 it replays a CUDA graph of 20 launches that
