@@ -12,17 +12,40 @@ mkdir -p quickstart
 PORT=${BITEXACT_PORT:-8420}
 bitexact serve --key quickstart/node.pem --data-dir quickstart/data --port "$PORT" > quickstart/serve.log 2>&1 &
 SERVER=$!
-trap 'kill -TERM $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
-python - "$PORT" <<'PY'
-import sys, time, urllib.request
+trap 'rc=$?; kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; exit $rc' EXIT
+python - "$PORT" "$SERVER" <<'PY'
+import json, os, sys, time, urllib.request
 import openai
-url = f"http://127.0.0.1:{sys.argv[1]}"
-for _ in range(300):
+url, server = f"http://127.0.0.1:{sys.argv[1]}", int(sys.argv[2])
+
+
+def serving() -> bool:
+    """Whether the daemon started above still runs (not exited, not a zombie)."""
     try:
-        urllib.request.urlopen(url + "/health", timeout=1)
-        break
-    except OSError:
-        time.sleep(0.2)
+        os.kill(server, 0)
+        with open(f"/proc/{server}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] != "Z"
+    except ProcessLookupError:
+        return False
+    except OSError:                     # no /proc: the signal check alone
+        return True
+
+
+for _ in range(300):
+    if not serving():
+        with open("quickstart/serve.log") as f:
+            last = (f.read().strip().splitlines() or ["no output"])[-1]
+        print(f"quickstart: bitexact serve stopped: {last}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        if json.load(urllib.request.urlopen(url + "/health", timeout=1)).get("status") == "ok":
+            break
+    except (OSError, ValueError):
+        pass
+    time.sleep(0.2)
+else:
+    print("quickstart: bitexact serve did not answer /health within 60 s (see quickstart/serve.log)", file=sys.stderr)
+    sys.exit(2)
 client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
 r = client.chat.completions.create(model="default", max_tokens=48,
                                    messages=[{"role": "user", "content": "Name three primary colors."}])
