@@ -277,7 +277,8 @@ class CudaBackend:
         return ms, [m.rows for m in ms] + [0] * (3 - len(ms))
 
     def _matmul_grid(self, m, rows, warps, rows_per_warp=1, tokens=MQ_TM):
-        """Grid of matmul_q / matmul_f: (token tiles, blocks); each matrix starts at a warp of its own."""
+        """Grid of matmul_q / matmul_f: (token tiles, blocks); each matrix starts at a warp
+        (matmul_f) or tile (matmul_q, ``warps`` = 1) of its own."""
         blocks = -(-sum(-(-r // rows_per_warp) for r in rows) // warps)
         _check(blocks <= 65535, f"matmul rows {sum(rows)} exceed the grid")
         return ((m + tokens - 1) // tokens, blocks)
@@ -330,7 +331,7 @@ class CudaBackend:
         w0 = ms[0]
         _check(xl.dtype == cp.float32 and xl.flags.c_contiguous and k == w0.k, f"matmul_f {names} K={k}")
         _check(len({w.qtype for w in ms}) == 1 and w0.qtype in FLOAT_TYPES, "matmul_f: one float weight type")
-        _check(w0.lanes in (4, 8, 16, 32) and w0.lanes >= MQ_SPLIT and w0.lane0 % w0.lanes == 0 and w0.lane0 + w0.lanes <= WARP
+        _check(w0.lanes in (4, 8, 16, 32) and w0.lane0 % w0.lanes == 0 and w0.lane0 + w0.lanes <= WARP
                and w0.data.shape == (w0.rows, w0.lanes * (k // WARP)), f"matmul_f {names}: lane shard")
         ys = [cp.empty((m, w.rows), cp.float32) for w in ms]
         pad = 3 - len(ms)

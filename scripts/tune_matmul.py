@@ -9,7 +9,7 @@ down, LM head) and batch 1, 8, 32 it replays a CUDA graph of 20 launches that
 cycle over weight copies larger than L2, and reports microseconds per launch,
 GB/s of weights, and whether the output bytes equal the first variant's.
 
-    python scripts/tune_matmul.py --out tune.json "" "-DMF_ROWS=1 -DMF_BYTES=64" ...
+    python scripts/tune_matmul.py --out tune.json -- "" "-DMF_ROWS=1 -DMF_BYTES=64" ...
     python scripts/tune_matmul.py --kernel matmul_q --out tuneq.json -- "" "-DMQ_NT=2" ...
 """
 
@@ -24,12 +24,12 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from node.gguf_model import BLOCK_BYTES  # noqa: E402
 
 SHAPES = {"qkv": ([4096, 1024, 1024], 4096), "o": ([4096], 4096), "gu": ([14336, 14336], 4096),
           "down": ([4096], 14336), "head": ([128256], 4096)}
 BATCHES = (1, 8, 32)
 DEFAULTS = {"MF_ROWS": 2, "MF_WARPS": 8, "MQ_SPLIT": 4, "MQ_NT": 1}
-Q4_K_BYTES = 144  # per 256-element super-block
 
 
 def compile_variant(cp, kernel: str, defines: list[str]):
@@ -51,13 +51,13 @@ def weights(cp, kernel: str, n: int, k: int):
     """Random weights ``[n, k]``: BF16 bits (matmul_f) or Q4_K blocks with scales 2^-7 (matmul_q)."""
     if kernel == "matmul_f":
         return (cp.random.standard_normal((n, k), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
-    w = cp.random.randint(0, 256, (n, k // 256, Q4_K_BYTES), dtype=cp.uint8)
+    w = cp.random.randint(0, 256, (n, k // 256, BLOCK_BYTES["Q4_K"][0]), dtype=cp.uint8)
     w[:, :, 0:4] = cp.asarray(np.array([0x2000, 0x2000], np.uint16).view(np.uint8))  # d, dmin = 2^-7 (fp16)
     return w.reshape(n, -1)
 
 
 def time_variant(cp, kernel, fns, params, ns, k, x, wsets, reps=20):
-    from node.backend_cuda import mq_smem
+    from node.backend_cuda import QTYPE_IDS, mq_smem
     from node.reference import lane_terms, lane_width
 
     fn, quantize = fns
@@ -67,7 +67,7 @@ def time_variant(cp, kernel, fns, params, ns, k, x, wsets, reps=20):
     if kernel == "matmul_f":
         rows, warps = params["MF_ROWS"], params["MF_WARPS"]
         grid, block = ((m + 7) // 8, -(-sum(-(-n // rows) for n in ns) // warps)), (32 * warps,)
-        tail = (np.int32(2), np.int32(lane_width(k, 2)), x, np.int32(m), np.int32(k), np.int32(32), np.int32(0))
+        tail = (np.int32(QTYPE_IDS["BF16"]), np.int32(lane_width(k, 2)), x, np.int32(m), np.int32(k), np.int32(32), np.int32(0))
         smem = 0
     else:
         nb = k // 32
@@ -77,8 +77,8 @@ def time_variant(cp, kernel, fns, params, ns, k, x, wsets, reps=20):
         grid, block = ((m + tt - 1) // tt, sum(-(-n // 16) for n in ns)), (32 * params["MQ_SPLIT"],)
         smem = mq_smem(params["MQ_SPLIT"], params["MQ_NT"])
         fn.max_dynamic_shared_size_bytes = smem
-        rb = k // 256 * Q4_K_BYTES
-        tail = (*(np.int32(6) for _ in range(3)), *(np.int32(rb) for _ in range(3)), q, d, a, np.int32(m),
+        rb = k // 256 * BLOCK_BYTES["Q4_K"][0]
+        tail = (*(np.int32(QTYPE_IDS["Q4_K"]) for _ in range(3)), *(np.int32(rb) for _ in range(3)), q, d, a, np.int32(m),
                 np.int32(k), np.int32(lane_terms(nb)), np.int32(32), np.int32(0), np.int32(0), np.int32(nb))
 
     def launch(ws):
@@ -117,7 +117,7 @@ def main() -> int:
               "variants": {name: {"registers": fns[0].num_regs, "local_bytes": fns[0].local_size_bytes}
                            for name, fns, _ in variants}}
     for shape, (ns, k) in SHAPES.items():
-        nbytes = sum(ns) * k * (2 if args.kernel == "matmul_f" else Q4_K_BYTES / 256)
+        nbytes = sum(ns) * k * (2 if args.kernel == "matmul_f" else BLOCK_BYTES["Q4_K"][0] / 256)
         copies = max(1, min(6, int(300e6 // nbytes) + 1))      # cycle over > 300 MB: no L2 reuse
         wsets = [[weights(cp, args.kernel, n, k) for n in ns] for _ in range(copies)]
         for m in BATCHES:
