@@ -104,7 +104,7 @@ extern "C" __global__ void __launch_bounds__(SPLIT_KV) attention_split(
         float lanes[32];
 #pragma unroll
         for (int l = 0; l < 32; ++l) lanes[l] = part[l * hd + d];
-        part_o[out * hd + d] = bx_tree32(lanes);
+        part_o[out * hd + d] = bx_tree<BX_WARP>(lanes);
     }
     if (warp == 0) {  // l_c: lane l adds e over its slots 8l .. 8l+7, then the butterfly
         float acc = 0.0f;

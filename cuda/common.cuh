@@ -39,13 +39,15 @@ __device__ __forceinline__ float bx_butterfly_lanes(float v, int lanes) {
     return v;
 }
 
-// The same tree computed by one thread over 32 lane values p[0..31]
-// (((p0+p1)+(p2+p3))+...), identical to bx_butterfly's result.
-__device__ __forceinline__ float bx_tree32(float* p) {
+// The same tree computed by one thread over N lane values p[0..N-1]
+// (((p0+p1)+(p2+p3))+...), identical to bx_butterfly's result for N = 32
+// and to its top log2(N) levels over N subtrees.
+template <int N>
+__device__ __forceinline__ float bx_tree(float* p) {
 #pragma unroll
-    for (int w = 1; w < BX_WARP; w <<= 1)
+    for (int w = 1; w < N; w <<= 1)
 #pragma unroll
-        for (int i = 0; i < BX_WARP; i += 2 * w)
+        for (int i = 0; i < N; i += 2 * w)
             p[i] = __fadd_rn(p[i], p[i + w]);
     return p[0];
 }

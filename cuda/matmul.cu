@@ -35,8 +35,9 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 
 // ---- matmul_q: int8 tensor-core MMA per block, the contract's fold per output
 // A tile is MQ_ROWS = 16 output rows by MQ_TT = 8 * MQ_NT tokens, one block of
-// MQ_SPLIT warps; warp s walks the blocks of contract lanes s*lw .. s*lw+lw-1
-// (lw = lanes / MQ_SPLIT), and the warps' subtrees meet as the tree's top
+// `split` warps (4 or 8, chosen by the launcher from the matrices' rows); warp
+// s walks the blocks of contract lanes s*lw .. s*lw+lw-1
+// (lw = lanes / split), and the warps' subtrees meet as the tree's top
 // levels in shared memory. For each 32-element block b, one mma.sync
 // m16n8k32 (s8 x s8 -> s32) per 8 tokens gives the exact integer I_b of 16 x 8
 // outputs (integer sums are order-free). Thread (gid = lane >> 2, c = lane & 3)
@@ -50,28 +51,42 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 // super-block, and x's block is blk0 + b. Up to three matrices with the same
 // K (Q/K/V, gate/up) in one launch; grid x walks token tiles so a row tile's
 // token tiles run together.
-// Data path: a warp copies one unit (8 blocks, or a K-quant super-block) of
-// its 16 weight rows and of its 8 tokens' codes and scales into shared memory
-// with cp.async, double-buffered, so global loads are coalesced and the next
-// unit streams in while this one is computed.
+// Data path: a warp copies one unit (up to 8 of its blocks, or a K-quant
+// super-block) of its 16 weight rows and of its 8 tokens' codes and scales
+// into shared memory with cp.async, double-buffered, so global loads are
+// coalesced and the next unit streams in while this one is computed.
 // MMA k-slot order is free as long as A and B agree: thread c's k-slots
 // 4c..4c+3 and 16+4c..16+4c+3 hold the block's elements 8c..8c+7.
 #define MQ_TM 8     // tokens per warp of matmul_f; the MMA's N
 #define MQ_ROWS 16  // output rows per tile (the MMA's M)
-// Tile constants (node/backend_cuda.py; none changes any sum; scripts/tune_matmul.py times variants):
-#ifndef MQ_SPLIT
-#define MQ_SPLIT 4  // warps per tile
-#endif
-// bx_counter_push holds 4 levels, so a warp may own at most 8 of the 32 lanes (launcher: lanes >= MQ_SPLIT)
-static_assert(MQ_SPLIT == 4 || MQ_SPLIT == 8, "MQ_SPLIT must be 4 or 8");
+// Tile constant (none changes any sum; scripts/tune_matmul.py times variants).
+// bx_counter_push holds 4 levels, so a warp may own at most 8 of the 32 lanes:
+// split is 4 or 8 and at most `lanes` (launcher).
 #ifndef MQ_NT
 #define MQ_NT 1     // MMAs of 8 tokens per tile
 #endif
 #define MQ_TT (8 * MQ_NT)                  // tokens per tile
 #define MQ_NV (4 * MQ_NT)                  // C elements per thread
-#define MQ_WROW 72                         // words per staged weight row (>= 272 bytes + 2, 8-word multiple)
-#define MQ_STAGE (MQ_ROWS * MQ_WROW * 4 + MQ_TT * 8 * 32 + 2 * MQ_TT * 8 * 4)  // bytes per stage
-#define MQ_SMEM (MQ_SPLIT * 2 * MQ_STAGE + MQ_SPLIT * MQ_NV * 32 * 4)            // node/backend_cuda.py mq_smem
+
+// Bytes of a unit (8 blocks, or a K-quant super-block) of one weight row (ggml block layouts).
+__host__ __device__ constexpr int bx_unit_bytes(int qt) {
+    return qt == BX_Q8_0 ? 8 * 34 : qt == BX_Q4_0 ? 8 * 18 : qt == BX_Q4_1 ? 8 * 20 : qt == BX_Q4_K ? 144 : 210;
+}
+// Words per staged weight row: the unit plus up to 6 bytes of 4-byte-word alignment, rounded up to
+// 8 (mod 16) words so that the 8 rows a warp reads at once fall in different banks.
+__host__ __device__ constexpr int bx_mq_wrow(int qt) { return ((bx_unit_bytes(qt) + 9) / 4 + 7) / 16 * 16 + 8; }
+// Bytes of one stage: 16 weight rows, then 8 tokens' codes, d and a of 8 blocks.
+__host__ __device__ constexpr int bx_mq_stage(int qt) {
+    return MQ_ROWS * bx_mq_wrow(qt) * 4 + MQ_TT * 8 * 32 + 2 * MQ_TT * 8 * 4;
+}
+// Per warp: two stages and its subtree slots.
+__host__ __device__ constexpr int bx_mq_warp_bytes(int qt) { return 2 * bx_mq_stage(qt) + MQ_NV * 32 * 4; }
+// Read by node/backend_cuda.py: dynamic shared memory = split * bx_mq_warp_smem[weight type id]
+// (the largest over a launch's types); tokens per tile.
+extern "C" __constant__ int bx_mq_warp_smem[8] = {0, 0, 0, bx_mq_warp_bytes(BX_Q8_0), bx_mq_warp_bytes(BX_Q4_0),
+                                                  bx_mq_warp_bytes(BX_Q4_1), bx_mq_warp_bytes(BX_Q4_K),
+                                                  bx_mq_warp_bytes(BX_Q6_K)};
+extern "C" __constant__ int bx_mq_tokens = MQ_TT;
 
 // Elements 8c..8c+7 of a weight block as int8 codes: lo = 8c..8c+3, hi =
 // 8c+4..8c+7; the scale s, the offset o and, for Q6_K, the sub-block scales
@@ -143,6 +158,7 @@ __device__ __forceinline__ void bx_mma_s8(const unsigned int* a, unsigned int b0
 __device__ __forceinline__ void bx_cp_async(void* smem, const void* gmem, int bytes) {
     unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
     if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+    else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(s), "l"(gmem));
     else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem));
 }
 
@@ -165,55 +181,49 @@ __device__ __forceinline__ void bx_counter_push(float (&st)[4][MQ_NV], float (&v
     }
 }
 
-// One warp's share of a tile: see the kernel's comment. stage: this warp's two
-// shared-memory stages; part: the block's subtree slots.
+// One warp's share of a tile: see the kernel's comment. smem: the block's
+// dynamic shared memory (each warp's two stages, then the subtree slots).
 template <int QT>
 __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict__ W, float* __restrict__ y, int n0,
                                                  int N, int row_bytes, const signed char* __restrict__ xq,
                                                  const float* __restrict__ xd, const int* __restrict__ xa, int M,
                                                  int m0, int K, int g, int lanes, int blk0, int b_off, int nbs,
-                                                 unsigned char* stage, float (*part)[MQ_NV][32]) {
+                                                 int split, unsigned char* smem) {
     constexpr bool ASYM = QT == BX_Q4_1 || QT == BX_Q4_K;
     constexpr bool SUPER = QT == BX_Q4_K || QT == BX_Q6_K;  // a unit is one super-block
-    constexpr int UB = QT == BX_Q8_0 ? 8 * 34 : QT == BX_Q4_0 ? 8 * 18 : QT == BX_Q4_1 ? 8 * 20
-                     : QT == BX_Q4_K ? 144 : 210;            // unit bytes per row
-    int lane = threadIdx.x & 31, gid = lane >> 2, c = lane & 3, split = threadIdx.x >> 5;
+    constexpr int UB = bx_unit_bytes(QT), WROW = bx_mq_wrow(QT), STAGE = bx_mq_stage(QT);
+    int lane = threadIdx.x & 31, gid = lane >> 2, c = lane & 3, wi = threadIdx.x >> 5;
     int nb = K >> 5;
-    int lw = lanes / MQ_SPLIT, l0 = split * lw, l = l0;     // this warp's contract lanes l0 .. l0 + lw - 1
+    int lw = lanes / split, l0 = wi * lw, l = l0;           // this warp's contract lanes l0 .. l0 + lw - 1
+    unsigned char* stage = smem + wi * 2 * STAGE;
+    float(*part)[MQ_NV][32] = (float(*)[MQ_NV][32])(smem + split * 2 * STAGE);
     int b_lo = min(l0 * g, nbs), b_hi = min((l0 + lw) * g, nbs);
     // unit u covers weight blocks wu .. wu + 7 (SUPER: super-block aligned)
     int wu0 = SUPER ? ((b_lo + b_off) & ~7) : b_lo + b_off;
     int n_units = b_hi > b_lo ? (b_hi + b_off - wu0 + 7) / 8 : 0;
-    // unit u's bytes in a row start at off0 + u * UB; 16-byte copies where every row's unit is 16-byte aligned
+    // unit u's bytes in a row start at off0 + u * UB; copies of 16 or 8 bytes where every row's unit is
+    // that aligned, else 4-byte words (a row's unit then starts (its address & 3) into them)
     size_t off0 = SUPER ? (size_t)(wu0 >> 3) * UB : (size_t)wu0 * (UB / 8);
-    bool wide = ((row_bytes | UB | (int)off0) & 15) == 0;
-    constexpr int NW = (UB + 6) / 4;  // otherwise 4-byte words: a row's unit starts (its address & 3) into them
+    int al = row_bytes | UB | (int)off0, gran = (al & 15) == 0 ? 16 : (al & 7) == 0 ? 8 : 4;
 
     // Issue the copies of unit u into stage buffer `buf`.
     auto issue = [&](int u, int buf) {
-        unsigned char* sw = stage + buf * MQ_STAGE;
-        unsigned char* sq = sw + MQ_ROWS * MQ_WROW * 4;
+        unsigned char* sw = stage + buf * STAGE;
+        unsigned char* sq = sw + MQ_ROWS * WROW * 4;
         float* sd = (float*)(sq + MQ_TT * 8 * 32);
         int* sa = (int*)(sd + MQ_TT * 8);
         int wu = wu0 + 8 * u;
         size_t off = off0 + (size_t)u * UB;
-        // A flat type's unit may run up to 7 blocks past the row's last block (into the next row, or
-        // into the padding node/backend_cuda.py _upload leaves after the last row); those bytes are not used.
-        if (wide) {
-            for (int i = lane; i < MQ_ROWS * (UB / 16); i += 32) {
-                int r = i / (UB / 16), ch = i - r * (UB / 16);
-                bx_cp_async(sw + r * MQ_WROW * 4 + 16 * ch,
-                            W + (size_t)min(n0 + r, N - 1) * row_bytes + off + 16 * ch, 16);
-            }
-        } else {  // 4-byte words: up to 6 bytes more
-            for (int i = lane; i < MQ_ROWS * NW; i += 32) {
-                int r = i / NW, wd = i - r * NW;
-                size_t at = ((size_t)min(n0 + r, N - 1) * row_bytes + off) & ~(size_t)3;
-                bx_cp_async(sw + r * MQ_WROW * 4 + 4 * wd, W + at + 4 * wd, 4);
-            }
+        int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);  // the unit's blocks computed here
+        // Weight bytes: a K-quant's whole super-block; a flat type's blocks 0 .. bi_hi - 1 (bi_lo = 0), in chunks
+        // that may end up to 15 bytes past them (past the last row: the padding node/backend_cuda.py _upload leaves).
+        int used = SUPER ? UB : bi_hi * (UB / 8), nc = (used + (gran == 4 ? 3 : 0) + gran - 1) / gran;
+        for (int i = lane; i < MQ_ROWS * nc; i += 32) {
+            int r = i / nc, ch = i - r * nc;
+            size_t at = ((size_t)min(n0 + r, N - 1) * row_bytes + off) & ~(size_t)(gran - 1);
+            bx_cp_async(sw + r * WROW * 4 + gran * ch, W + at + gran * ch, gran);
         }
-        // x: the unit's blocks that this warp computes (codes, d, a of 8 tokens; dead tokens read token M-1)
-        int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);
+        // x: the codes, d and a of 8 tokens for those blocks (dead tokens read token M-1)
         for (int i = lane; i < MQ_TT * 8 * 2; i += 32) {
             int t = i >> 4, bi = (i >> 1) & 7, h = i & 1;
             if (bi >= bi_lo && bi < bi_hi)
@@ -245,15 +255,15 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
             asm volatile("cp.async.wait_group 0;" ::: "memory");
         }
         __syncwarp();
-        const unsigned char* sw = stage + (u & 1) * MQ_STAGE;
-        const unsigned char* sq = sw + MQ_ROWS * MQ_WROW * 4;
+        const unsigned char* sw = stage + (u & 1) * STAGE;
+        const unsigned char* sq = sw + MQ_ROWS * WROW * 4;
         const float* sd = (const float*)(sq + MQ_TT * 8 * 32);
         const int* sa = (const int*)(sd + MQ_TT * 8);
         int wu = wu0 + 8 * u;
         size_t off = off0 + (size_t)u * UB;
-        const unsigned char* u0 = sw + gid * MQ_WROW * 4;
-        const unsigned char* u1 = sw + (gid + 8) * MQ_WROW * 4;
-        if (!wide) {
+        const unsigned char* u0 = sw + gid * WROW * 4;
+        const unsigned char* u1 = sw + (gid + 8) * WROW * 4;
+        if (gran == 4) {
             u0 += ((size_t)min(n0 + gid, N - 1) * row_bytes + off) & 3;
             u1 += ((size_t)min(n0 + gid + 8, N - 1) * row_bytes + off) & 3;
         }
@@ -315,30 +325,27 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
     int top = 31 - __clz(lw);  // after its last lane the counter's level log2(lw) holds the warp's subtree
 #pragma unroll
     for (int i = 0; i < MQ_NV; ++i)
-        part[split][i][lane] = top == 0 ? st[0][i] : top == 1 ? st[1][i] : top == 2 ? st[2][i] : st[3][i];
+        part[wi][i][lane] = top == 0 ? st[0][i] : top == 1 ? st[1][i] : top == 2 ? st[2][i] : st[3][i];
     __syncthreads();
-    if (split != 0) return;
+    if (wi != 0) return;
 #pragma unroll
     for (int i = 0; i < MQ_NV; ++i) {  // the tree's top levels over the warps' subtrees, neighbours first
-        float v[MQ_SPLIT];
+        float v[8];
 #pragma unroll
-        for (int s = 0; s < MQ_SPLIT; ++s) v[s] = part[s][i][lane];
-#pragma unroll
-        for (int w = 1; w < MQ_SPLIT; w <<= 1)
-#pragma unroll
-            for (int s = 0; s < MQ_SPLIT; s += 2 * w) v[s] = __fadd_rn(v[s], v[s + w]);
+        for (int s = 0; s < 8; ++s) v[s] = s < split ? part[s][i][lane] : 0.0f;
+        float sum = split == 8 ? bx_tree<8>(v) : bx_tree<4>(v);
         int n = n0 + gid + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c + (i & 1);
-        if (n < N && m < M) y[(size_t)m * N + n] = v[0];
+        if (n < N && m < M) y[(size_t)m * N + n] = sum;
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * MQ_SPLIT)
+extern "C" __global__ void __launch_bounds__(256)
 matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
          const unsigned char* __restrict__ W2, float* __restrict__ y0, float* __restrict__ y1,
          float* __restrict__ y2, int N0, int N1, int N2, int qt0, int qt1, int qt2, int rb0, int rb1, int rb2,
          const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xa, int M, int K,
-         int g, int lanes, int blk0, int b_off, int nbs) {
-    extern __shared__ __align__(16) unsigned char bx_smem[];  // MQ_SMEM bytes
+         int g, int lanes, int blk0, int b_off, int nbs, int split) {
+    extern __shared__ __align__(16) unsigned char bx_smem[];  // split * bx_mq_warp_smem[qtype] bytes
     int w = blockIdx.y;  // the row tile, over the matrices' tiles
     int w0 = (N0 + MQ_ROWS - 1) / MQ_ROWS, w1 = (N1 + MQ_ROWS - 1) / MQ_ROWS, w2 = (N2 + MQ_ROWS - 1) / MQ_ROWS;
     const unsigned char* W = W0;
@@ -354,10 +361,8 @@ matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
         }
     }
     int n0 = w * MQ_ROWS, m0 = blockIdx.x * MQ_TT;
-    unsigned char* stage = bx_smem + (threadIdx.x >> 5) * 2 * MQ_STAGE;
-    float(*part)[MQ_NV][32] = (float(*)[MQ_NV][32])(bx_smem + MQ_SPLIT * 2 * MQ_STAGE);
 #define BX_MQ(QT) bx_matmul_q_warp<QT>(W, y, n0, N, row_bytes, xq, xd, xa, M, m0, K, g, lanes, blk0, b_off, nbs, \
-                                       stage, part)
+                                       split, bx_smem)
     if (qtype == BX_Q8_0) BX_MQ(BX_Q8_0);
     else if (qtype == BX_Q4_0) BX_MQ(BX_Q4_0);
     else if (qtype == BX_Q4_1) BX_MQ(BX_Q4_1);

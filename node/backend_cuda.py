@@ -29,16 +29,24 @@ DEFAULT_PIN = "NVIDIA H200"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.cu", "residual.cu",
                 "embed.cu", "sampler.cu", "tp.cu")
-MQ_TM = 8  # tokens per warp in matmul_q / matmul_f (cuda/matmul.cu)
-MQ_SPLIT, MF_WARPS = 4, 8  # warps per block of matmul_q (one tile, K split by contract lanes) / matmul_f
+MQ_TM, MF_WARPS = 8, 8  # tokens and warps per block of matmul_f (cuda/matmul.cu)
 MQ_ROWS, MF_ROWS = 16, 2  # output rows per tile of matmul_q (the MMA's M) / per warp of matmul_f
-MQ_NT = 1  # 8-token MMAs per matmul_q tile (2 measured no faster at batch 32, slower at 1)
+MQ_NARROW = 128  # matmul_q launches of fewer row tiles than this split K over 8 warps per tile, others over 4
 
 
-def mq_smem(split: int = MQ_SPLIT, nt: int = MQ_NT) -> int:
-    """Dynamic shared memory of a matmul_q block in bytes (cuda/matmul.cu MQ_SMEM)."""
-    stage = MQ_ROWS * 72 * 4 + 8 * nt * 8 * 32 + 2 * 8 * nt * 8 * 4
-    return split * 2 * stage + split * 4 * nt * 32 * 4
+def mq_split(rows: list[int], lanes: int) -> int:
+    """Warps per matmul_q tile (4 or 8) for matrices of ``rows`` output rows whose
+    K spans ``lanes`` contract lanes. Chosen from the model's dimensions only; it
+    changes no sum (the warps' subtrees meet as the tree's top levels)."""
+    tiles = sum(-(-r // MQ_ROWS) for r in rows)
+    return 8 if tiles < MQ_NARROW and lanes >= 8 else 4
+
+
+def module_ints(mod, name: str, n: int = 1) -> list[int]:
+    """An ``extern "C" __constant__ int[n]`` of a loaded kernel module (e.g. cuda/matmul.cu bx_mq_tokens)."""
+    import cupy
+
+    return cupy.ndarray((n,), cupy.int32, mod.get_global(name)).get().tolist()
 ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
 SUPER_BLOCKS = {"Q4_K": 8, "Q6_K": 8}  # 32-element blocks per super-block (ggml k-quants); others: 1
 MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
@@ -171,6 +179,9 @@ class CudaBackend:
                 ("sampler.cu", ("argmax", "sample_keys", "sample_sorted")), ("tp.cu", ("tp_combine",))) for n in names}
             for n in ("rms_norm", "attention_split", "matmul_q"):
                 self.k[n].max_dynamic_shared_size_bytes = MAX_SMEM
+            # matmul_q's tile: tokens, and dynamic shared memory per warp by weight type (cuda/matmul.cu)
+            (self.mq_tokens,) = module_ints(mods["matmul.cu"], "bx_mq_tokens")
+            self.mq_warp_smem = module_ints(mods["matmul.cu"], "bx_mq_warp_smem", len(QTYPE_IDS))
             # Float matrices are kept lane-major for matmul_f (token_embd stays
             # row-major for embed, plus a matrix of its own when it is the LM head).
             self._weights, self._mats = {}, {}
@@ -223,9 +234,9 @@ class CudaBackend:
             elem = raw.view(np.uint32 if ESIZE[t.qtype] == 4 else np.uint16)
             return Mat(self.cp.asarray(lane_major(elem, lane_width(t.cols, ESIZE[t.qtype]), lanes)), rows,
                        t.qtype, t.cols, lanes, lane0, b_off, terms)
-        # matmul_q stages units of 8 blocks: the last row's may run 7 blocks (<= 238 bytes) plus 6 bytes past it
+        # matmul_q's staged copies of the last row may end up to 15 bytes past it
         buf = self.cp.zeros(raw.size + 256, self.cp.uint8)
-        buf[:raw.size] = self.cp.asarray(raw.reshape(-1))
+        buf[:raw.size].set(raw.reshape(-1))
         return Mat(buf[:raw.size].reshape(raw.shape), rows, t.qtype, t.cols, lanes, lane0, b_off, terms)
 
     # ---- host/device -------------------------------------------------------
@@ -296,7 +307,7 @@ class CudaBackend:
         _check(k == w0.k and d.shape == (m, nb) and a.shape == (m, nb), f"matmul_q {names} K={w0.k}")
         _check(q.flags.c_contiguous and q.data.ptr % 16 == 0, "matmul_q: x codes contiguous, 16-byte aligned")
         _check(all(w.qtype not in FLOAT_TYPES for w in ms), "matmul_q takes quantized weights")
-        _check(w0.lanes in (4, 8, 16, 32) and w0.lanes >= MQ_SPLIT and w0.lane0 % w0.lanes == 0
+        _check(w0.lanes in (4, 8, 16, 32) and w0.lane0 % w0.lanes == 0
                and w0.lane0 * g + nbs <= nb
                and nbs <= w0.lanes * g, f"matmul_q {names}: shard of lanes {w0.lane0}+{w0.lanes}, {nbs} blocks")
         ys = [cp.empty((m, w.rows), cp.float32) for w in ms]
@@ -305,11 +316,13 @@ class CudaBackend:
         yy = ys + [ys[0]] * pad
         qt = [QTYPE_IDS[w.qtype] for w in ms] + [0] * pad
         rb = [w.data.shape[1] for w in ms] + [0] * pad
-        self.k["matmul_q"](self._matmul_grid(m, rows, 1, MQ_ROWS, 8 * MQ_NT), (32 * MQ_SPLIT,),
+        split = mq_split(rows, w0.lanes)
+        self.k["matmul_q"](self._matmul_grid(m, rows, 1, MQ_ROWS, self.mq_tokens), (32 * split,),
                            (*ws, *yy, *(np.int32(r) for r in rows), *(np.int32(v) for v in qt),
                             *(np.int32(v) for v in rb), q, d, a, np.int32(m), np.int32(k), np.int32(g),
-                            np.int32(w0.lanes), np.int32(w0.lane0 * g), np.int32(w0.b_off), np.int32(nbs)),
-                           shared_mem=mq_smem())
+                            np.int32(w0.lanes), np.int32(w0.lane0 * g), np.int32(w0.b_off), np.int32(nbs),
+                            np.int32(split)),
+                           shared_mem=split * max(self.mq_warp_smem[v] for v in qt[:len(ms)]))
         return ys
 
     def launch_lane_major(self, x, v):

@@ -1,16 +1,19 @@
-"""Time variants of the matmul_f or matmul_q tile constants on the Llama-3.1-8B product shapes.
+"""Time variants of the matmul_f or matmul_q tiles on the Llama-3.1-8B or SmolLM2-135M product shapes.
 
 Each variant is cuda/matmul.cu compiled with the pinned options plus ``-D``
-overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB; matmul_q: MQ_SPLIT
-of 4 or 8, MQ_NT; none of them changes any sum). matmul_f reads BF16
-weights, matmul_q Q4_K weights (random codes and scales) and activations
-quantized by quantize_q8. For each product (Q/K/V fused, O, gate/up fused,
-down, LM head) and batch 1, 8, 32 it replays a CUDA graph of 20 launches that
-cycle over weight copies larger than L2, and reports microseconds per launch,
-GB/s of weights, and whether the output bytes equal the first variant's.
+overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB; matmul_q: MQ_NT)
+and, for matmul_q, ``split=4`` or ``split=8`` warps per tile instead of the
+node's choice (node/backend_cuda.py mq_split); none of them changes any sum.
+matmul_f reads BF16 weights; matmul_q reads the shapes' quantized type (8B:
+Q4_K; SmolLM2: Q4_1, LM head Q8_0, as the default model) with random codes
+and scales 2^-7, and activations quantized by quantize_q8. For each product
+(Q/K/V fused, O, gate/up fused, down, LM head) and batch 1, 8, 32 it replays
+a CUDA graph of 20 launches that cycle over weight copies larger than L2, and
+reports microseconds per launch, GB/s of weights, and whether the output
+bytes equal the first variant's.
 
     python scripts/tune_matmul.py --out tune.json -- "" "-DMF_ROWS=1 -DMF_BYTES=64" ...
-    python scripts/tune_matmul.py --kernel matmul_q --out tuneq.json -- "" "-DMQ_NT=2" ...
+    python scripts/tune_matmul.py --kernel matmul_q --shapes smollm2 --out tuneq.json -- "" "split=4" "split=8"
 """
 
 from __future__ import annotations
@@ -26,15 +29,22 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from node.gguf_model import BLOCK_BYTES  # noqa: E402
 
-SHAPES = {"qkv": ([4096, 1024, 1024], 4096), "o": ([4096], 4096), "gu": ([14336, 14336], 4096),
-          "down": ([4096], 14336), "head": ([128256], 4096)}
+# product: (rows of the fused matrices, K, quantized type)
+SHAPES = {"8b": {"qkv": ([4096, 1024, 1024], 4096, "Q4_K"), "o": ([4096], 4096, "Q4_K"),
+                 "gu": ([14336, 14336], 4096, "Q4_K"), "down": ([4096], 14336, "Q4_K"),
+                 "head": ([128256], 4096, "Q4_K")},
+          "smollm2": {"qkv": ([576, 192, 192], 576, "Q4_1"), "o": ([576], 576, "Q4_1"),
+                      "gu": ([1536, 1536], 576, "Q4_1"), "down": ([576], 1536, "Q4_1"),
+                      "head": ([49152], 576, "Q8_0")}}
 BATCHES = (1, 8, 32)
-DEFAULTS = {"MF_ROWS": 2, "MF_WARPS": 8, "MQ_SPLIT": 4, "MQ_NT": 1}
+DEFAULTS = {"MF_ROWS": 2, "MF_WARPS": 8}
 
 
-def compile_variant(cp, kernel: str, defines: list[str]):
+def compile_variant(cp, kernel: str, tokens: list[str]):
+    """(kernel, quantize_q8, module) and the variant's parameters from its -D and split= tokens."""
     from node import backend_cuda as bc
 
+    defines = [t for t in tokens if t.startswith("-D")]
     root = bc.ROOT
     src = open(os.path.join(root, "cuda", "matmul.cu")).read()
     hdr = open(os.path.join(root, "cuda", "common.cuh")).read()
@@ -42,25 +52,30 @@ def compile_variant(cp, kernel: str, defines: list[str]):
     path = f"/tmp/tune-{hashlib.sha256(' '.join(defines).encode()).hexdigest()[:12]}.cubin"
     with open(path, "wb") as f:
         f.write(cubin)
-    params = dict(DEFAULTS, **{d[2:].split("=")[0]: int(d.split("=")[1]) for d in defines})
+    params = dict(DEFAULTS, **{t.lstrip("-D").split("=")[0]: int(t.split("=")[1]) for t in tokens})
     mod = cp.RawModule(path=path)
-    return (mod.get_function(kernel), mod.get_function("quantize_q8")), params
+    return (mod.get_function(kernel), mod.get_function("quantize_q8"), mod), params
 
 
-def weights(cp, kernel: str, n: int, k: int):
-    """Random weights ``[n, k]``: BF16 bits (matmul_f) or Q4_K blocks with scales 2^-7 (matmul_q)."""
+def weights(cp, kernel: str, qtype: str, n: int, k: int):
+    """Random weights ``[n, k]``: BF16 bits (matmul_f) or ``qtype`` blocks with scales 2^-7 (matmul_q)."""
     if kernel == "matmul_f":
         return (cp.random.standard_normal((n, k), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
-    w = cp.random.randint(0, 256, (n, k // 256, BLOCK_BYTES["Q4_K"][0]), dtype=cp.uint8)
-    w[:, :, 0:4] = cp.asarray(np.array([0x2000, 0x2000], np.uint16).view(np.uint8))  # d, dmin = 2^-7 (fp16)
-    return w.reshape(n, -1)
+    bb, be = BLOCK_BYTES[qtype]
+    w = cp.random.randint(0, 256, (n, k // be, bb), dtype=cp.uint8)
+    halves = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2}[qtype]  # leading fp16 scale fields (ggml block layouts)
+    w[:, :, 0:2 * halves] = cp.asarray(np.full(halves, 0x2000, np.uint16).view(np.uint8))  # 2^-7
+    buf = cp.zeros(w.size + 256, cp.uint8)  # padded as node/backend_cuda.py _upload pads
+    buf[:w.size] = w.reshape(-1)
+    return buf[:w.size].reshape(n, -1)
 
 
-def time_variant(cp, kernel, fns, params, ns, k, x, wsets, reps=20):
-    from node.backend_cuda import QTYPE_IDS, mq_smem
+def time_variant(cp, kernel, fns, params, ns, k, qtype, x, wsets):
+    from node.backend_cuda import QTYPE_IDS, module_ints, mq_split
     from node.reference import lane_terms, lane_width
 
-    fn, quantize = fns
+    fn, quantize, mod = fns
+    reps = max(20, len(wsets))  # launches per graph: each weight copy at least once
     m = x.shape[0]
     ys = [cp.empty((m, n), cp.float32) for n in ns]
     pad = 3 - len(ns)
@@ -73,13 +88,14 @@ def time_variant(cp, kernel, fns, params, ns, k, x, wsets, reps=20):
         nb = k // 32
         q, d, a = cp.empty((m, k), cp.int8), cp.empty((m, nb), cp.float32), cp.empty((m, nb), cp.int32)
         quantize(((32 * m * nb + 255) // 256,), (256,), (x, q, d, a, np.int32(m), np.int32(k)))
-        tt = 8 * params["MQ_NT"]
-        grid, block = ((m + tt - 1) // tt, sum(-(-n // 16) for n in ns)), (32 * params["MQ_SPLIT"],)
-        smem = mq_smem(params["MQ_SPLIT"], params["MQ_NT"])
+        (tt,), split = module_ints(mod, "bx_mq_tokens"), params.get("split", mq_split(ns, 32))
+        grid, block = ((m + tt - 1) // tt, sum(-(-n // 16) for n in ns)), (32 * split,)
+        smem = split * module_ints(mod, "bx_mq_warp_smem", len(QTYPE_IDS))[QTYPE_IDS[qtype]]
         fn.max_dynamic_shared_size_bytes = smem
-        rb = k // 256 * BLOCK_BYTES["Q4_K"][0]
-        tail = (*(np.int32(QTYPE_IDS["Q4_K"]) for _ in range(3)), *(np.int32(rb) for _ in range(3)), q, d, a, np.int32(m),
-                np.int32(k), np.int32(lane_terms(nb)), np.int32(32), np.int32(0), np.int32(0), np.int32(nb))
+        rb = k // BLOCK_BYTES[qtype][1] * BLOCK_BYTES[qtype][0]
+        tail = (*(np.int32(QTYPE_IDS[qtype]) for _ in range(3)), *(np.int32(rb) for _ in range(3)), q, d, a,
+                np.int32(m), np.int32(k), np.int32(lane_terms(nb)), np.int32(32), np.int32(0), np.int32(0),
+                np.int32(nb), np.int32(split))
 
     def launch(ws):
         fn(grid, block, (*ws, *[ws[0]] * pad, *ys, *[ys[0]] * pad, *(np.int32(n) for n in ns + [0] * pad), *tail),
@@ -108,23 +124,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--kernel", choices=("matmul_f", "matmul_q"), default="matmul_f")
-    ap.add_argument("variants", nargs="+", help="space-separated -D overrides per variant ('' = the defaults)")
+    ap.add_argument("--shapes", choices=tuple(SHAPES), default="8b")
+    ap.add_argument("variants", nargs="+",
+                    help="space-separated -D overrides and split=N per variant ('' = the defaults)")
     args = ap.parse_args()
     import cupy as cp
 
     variants = [(v or "defaults", *compile_variant(cp, args.kernel, v.split())) for v in args.variants]
-    report = {"kernel": args.kernel, "runs": [],
+    report = {"kernel": args.kernel, "shapes": args.shapes, "runs": [],
               "variants": {name: {"registers": fns[0].num_regs, "local_bytes": fns[0].local_size_bytes}
                            for name, fns, _ in variants}}
-    for shape, (ns, k) in SHAPES.items():
-        nbytes = sum(ns) * k * (2 if args.kernel == "matmul_f" else BLOCK_BYTES["Q4_K"][0] / 256)
-        copies = max(1, min(6, int(300e6 // nbytes) + 1))      # cycle over > 300 MB: no L2 reuse
-        wsets = [[weights(cp, args.kernel, n, k) for n in ns] for _ in range(copies)]
+    for shape, (ns, k, qtype) in SHAPES[args.shapes].items():
+        nbytes = sum(ns) * k * (2 if args.kernel == "matmul_f" else BLOCK_BYTES[qtype][0] / BLOCK_BYTES[qtype][1])
+        copies = int(300e6 // nbytes) + 1      # cycle over > 300 MB: no L2 reuse
+        wsets = [[weights(cp, args.kernel, qtype, n, k) for n in ns] for _ in range(copies)]
         for m in BATCHES:
             x = cp.random.standard_normal((m, k), dtype=cp.float32)
             first = None
             for name, fns, params in variants:
-                us, out = time_variant(cp, args.kernel, fns, params, ns, k, x, wsets)
+                us, out = time_variant(cp, args.kernel, fns, params, ns, k, qtype, x, wsets)
                 first = first or out
                 run = {"shape": shape, "batch": m, "variant": name, "us": round(us, 1),
                        "GB_per_s": round(nbytes / us / 1e3), "same_bytes": out == first}

@@ -19,6 +19,7 @@ from node.synth import write_model
 
 pytestmark = pytest.mark.gpu
 F32 = np.float32
+WARP = ref.WARP
 QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
 SHAPE = (256, 2, 4, 2, 512, 300)
 
@@ -102,6 +103,32 @@ def test_matmul_twin(models, backends, qtype, m):
                                            for i, a in enumerate(xq)), list(names))
         for name, w, g in zip(names, want, got):
             assert_same(w, be.to_host(g), name)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_matmul_q_splits_and_copy_widths(tmp_path, monkeypatch, qtype):
+    """matmul_q with 4 and with 8 warps per tile equals the twin. Flat types take
+    SmolLM2's K = 576 and 1536 (18 and 48 blocks, so warps own partial units),
+    whose rows are staged in 8-byte (Q4_1: 360 bytes) or 4-byte copies (Q8_0:
+    612, Q4_0: 324); K-quants take K = 768 and 1536 (3 and 6 super-blocks)."""
+    import node.backend_cuda as bc
+    shape = (768, 1, 4, 2, 1536, 300) if qtype in ("Q4_K", "Q6_K") else (576, 1, 9, 3, 1536, 300)
+    model = load_model(write_model(str(tmp_path / "k.gguf"), shape, qtype, seed=5))
+    be = bc.CudaBackend(model, pin=None, kv_pages=8)
+    rng = np.random.default_rng(7)
+    for narrow, split in ((0, 4), (10 ** 9, 8)):
+        monkeypatch.setattr(bc, "MQ_NARROW", narrow)
+        for names in (("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"),
+                      ("blk.0.ffn_down.weight",), ("output.weight",)):
+            ts = [model.tensors[n] for n in names]
+            assert bc.mq_split([t.rows for t in ts], WARP) == split and ts[0].qtype == qtype
+            for m in (1, 9):
+                xq = ref.quantize_q8(rng.standard_normal((m, ts[0].cols)).astype(F32))
+                got = be.launch_matmul_q(tuple(be.from_host(a.reshape(m, -1) if i == 0 else a)
+                                               for i, a in enumerate(xq)), list(names))
+                for t, g in zip(ts, got):
+                    want = ref.matmul_q(xq, ref.RefQuantWeight(*decode_blocks(qtype, t.raw)))
+                    assert_same(want, be.to_host(g), f"{t.name} split {split} m {m}")
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16"])
