@@ -181,6 +181,25 @@ __device__ __forceinline__ void bx_counter_push(float (&st)[4][MQ_NV], float (&v
     }
 }
 
+// Copy `used` bytes from byte `off` of each of the tile's 16 weight rows into
+// staged rows of `wrow` bytes in G-byte chunks (G = 4: from the word holding
+// the first byte, so up to 3 + 3 bytes more). UB: the unit's bytes, the most
+// `used` may be (a compile-time chunk count keeps the index math cheap).
+template <int G, int UB>
+__device__ __forceinline__ void bx_stage_rows(unsigned char* sw, int wrow, const unsigned char* __restrict__ W,
+                                              int n0, int N, int row_bytes, size_t off, int used, int lane) {
+    constexpr int PAD = G == 4 ? 3 : 0, NCMAX = (UB + PAD + G - 1) / G;
+    int nc = (used + PAD + G - 1) / G;
+#pragma unroll 1
+    for (int i = lane; i < MQ_ROWS * NCMAX; i += 32) {
+        int r = i / NCMAX, ch = i - r * NCMAX;
+        if (ch < nc) {
+            size_t at = ((size_t)min(n0 + r, N - 1) * row_bytes + off) & ~(size_t)(G - 1);
+            bx_cp_async(sw + r * wrow + G * ch, W + at + G * ch, G);
+        }
+    }
+}
+
 // One warp's share of a tile: see the kernel's comment. smem: the block's
 // dynamic shared memory (each warp's two stages, then the subtree slots).
 template <int QT>
@@ -217,12 +236,10 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);  // the unit's blocks computed here
         // Weight bytes: a K-quant's whole super-block; a flat type's blocks 0 .. bi_hi - 1 (bi_lo = 0), in chunks
         // that may end up to 15 bytes past them (past the last row: the padding node/backend_cuda.py _upload leaves).
-        int used = SUPER ? UB : bi_hi * (UB / 8), nc = (used + (gran == 4 ? 3 : 0) + gran - 1) / gran;
-        for (int i = lane; i < MQ_ROWS * nc; i += 32) {
-            int r = i / nc, ch = i - r * nc;
-            size_t at = ((size_t)min(n0 + r, N - 1) * row_bytes + off) & ~(size_t)(gran - 1);
-            bx_cp_async(sw + r * WROW * 4 + gran * ch, W + at + gran * ch, gran);
-        }
+        int used = SUPER ? UB : bi_hi * (UB / 8);
+        if (gran == 16) bx_stage_rows<16, UB>(sw, WROW * 4, W, n0, N, row_bytes, off, used, lane);
+        else if (gran == 8) bx_stage_rows<8, UB>(sw, WROW * 4, W, n0, N, row_bytes, off, used, lane);
+        else bx_stage_rows<4, UB>(sw, WROW * 4, W, n0, N, row_bytes, off, used, lane);
         // x: the codes, d and a of 8 tokens for those blocks (dead tokens read token M-1)
         for (int i = lane; i < MQ_TT * 8 * 2; i += 32) {
             int t = i >> 4, bi = (i >> 1) & 7, h = i & 1;
