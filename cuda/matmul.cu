@@ -72,9 +72,10 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 __host__ __device__ constexpr int bx_unit_bytes(int qt) {
     return qt == BX_Q8_0 ? 8 * 34 : qt == BX_Q4_0 ? 8 * 18 : qt == BX_Q4_1 ? 8 * 20 : qt == BX_Q4_K ? 144 : 210;
 }
-// Words per staged weight row: the unit plus up to 6 bytes of 4-byte-word alignment, rounded up to
-// 8 (mod 16) words so that the 8 rows a warp reads at once fall in different banks.
-__host__ __device__ constexpr int bx_mq_wrow(int qt) { return ((bx_unit_bytes(qt) + 9) / 4 + 7) / 16 * 16 + 8; }
+// Words per staged weight row: the 16-byte chunks holding a unit that starts up to 15 bytes into
+// the first, rounded up to 8 (mod 16) words so that the 8 rows a warp reads at once fall in
+// different banks.
+__host__ __device__ constexpr int bx_mq_wrow(int qt) { return ((bx_unit_bytes(qt) + 30) / 16 * 4 + 7) / 16 * 16 + 8; }
 // Bytes of one stage: 16 weight rows, then 8 tokens' codes, d and a of 8 blocks.
 __host__ __device__ constexpr int bx_mq_stage(int qt) {
     return MQ_ROWS * bx_mq_wrow(qt) * 4 + MQ_TT * 8 * 32 + 2 * MQ_TT * 8 * 4;
@@ -158,7 +159,6 @@ __device__ __forceinline__ void bx_mma_s8(const unsigned int* a, unsigned int b0
 __device__ __forceinline__ void bx_cp_async(void* smem, const void* gmem, int bytes) {
     unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
     if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
-    else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(s), "l"(gmem));
     else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem));
 }
 
@@ -181,22 +181,21 @@ __device__ __forceinline__ void bx_counter_push(float (&st)[4][MQ_NV], float (&v
     }
 }
 
-// Copy `used` bytes from byte `off` of each of the tile's 16 weight rows into
-// staged rows of `wrow` bytes in G-byte chunks (G = 4: from the word holding
-// the first byte, so up to 3 + 3 bytes more). UB: the unit's bytes, the most
-// `used` may be (a compile-time chunk count keeps the index math cheap).
-template <int G, int UB>
+// Copy `used` bytes from byte `off` of each of the tile's 16 weight rows (W
+// 16-byte aligned) into staged rows of `wrow` bytes, in the 16-byte chunks
+// that hold them: a staged row starts (its address & 15) bytes before its
+// unit, and the last chunk may end up to 15 bytes past it. UB: the unit's
+// bytes, the most `used` may be (a compile-time chunk count keeps the index
+// math cheap).
+template <int UB>
 __device__ __forceinline__ void bx_stage_rows(unsigned char* sw, int wrow, const unsigned char* __restrict__ W,
                                               int n0, int N, int row_bytes, size_t off, int used, int lane) {
-    constexpr int PAD = G == 4 ? 3 : 0, NCMAX = (UB + PAD + G - 1) / G;
-    int nc = (used + PAD + G - 1) / G;
+    constexpr int NCMAX = (UB + 30) / 16;
 #pragma unroll 1
     for (int i = lane; i < MQ_ROWS * NCMAX; i += 32) {
         int r = i / NCMAX, ch = i - r * NCMAX;
-        if (ch < nc) {
-            size_t at = ((size_t)min(n0 + r, N - 1) * row_bytes + off) & ~(size_t)(G - 1);
-            bx_cp_async(sw + r * wrow + G * ch, W + at + G * ch, G);
-        }
+        size_t at = (size_t)min(n0 + r, N - 1) * row_bytes + off;
+        if (16 * ch < (int)(at & 15) + used) bx_cp_async(sw + r * wrow + 16 * ch, W + (at & ~(size_t)15) + 16 * ch, 16);
     }
 }
 
@@ -220,10 +219,8 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
     // unit u covers weight blocks wu .. wu + 7 (SUPER: super-block aligned)
     int wu0 = SUPER ? ((b_lo + b_off) & ~7) : b_lo + b_off;
     int n_units = b_hi > b_lo ? (b_hi + b_off - wu0 + 7) / 8 : 0;
-    // unit u's bytes in a row start at off0 + u * UB; copies of 16 or 8 bytes where every row's unit is
-    // that aligned, else 4-byte words (a row's unit then starts (its address & 3) into them)
+    // unit u's bytes in a row start at off0 + u * UB
     size_t off0 = SUPER ? (size_t)(wu0 >> 3) * UB : (size_t)wu0 * (UB / 8);
-    int al = row_bytes | UB | (int)off0, gran = (al & 15) == 0 ? 16 : (al & 7) == 0 ? 8 : 4;
 
     // Issue the copies of unit u into stage buffer `buf`.
     auto issue = [&](int u, int buf) {
@@ -234,12 +231,9 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         int wu = wu0 + 8 * u;
         size_t off = off0 + (size_t)u * UB;
         int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);  // the unit's blocks computed here
-        // Weight bytes: a K-quant's whole super-block; a flat type's blocks 0 .. bi_hi - 1 (bi_lo = 0), in chunks
-        // that may end up to 15 bytes past them (past the last row: the padding node/backend_cuda.py _upload leaves).
-        int used = SUPER ? UB : bi_hi * (UB / 8);
-        if (gran == 16) bx_stage_rows<16, UB>(sw, WROW * 4, W, n0, N, row_bytes, off, used, lane);
-        else if (gran == 8) bx_stage_rows<8, UB>(sw, WROW * 4, W, n0, N, row_bytes, off, used, lane);
-        else bx_stage_rows<4, UB>(sw, WROW * 4, W, n0, N, row_bytes, off, used, lane);
+        // Weight bytes: a K-quant's whole super-block; a flat type's blocks 0 .. bi_hi - 1 (bi_lo = 0). Past the
+        // last row, up to 15 bytes of the padding node/backend_cuda.py _upload leaves are read.
+        bx_stage_rows<UB>(sw, WROW * 4, W, n0, N, row_bytes, off, SUPER ? UB : bi_hi * (UB / 8), lane);
         // x: the codes, d and a of 8 tokens for those blocks (dead tokens read token M-1)
         for (int i = lane; i < MQ_TT * 8 * 2; i += 32) {
             int t = i >> 4, bi = (i >> 1) & 7, h = i & 1;
@@ -278,12 +272,10 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         const int* sa = (const int*)(sd + MQ_TT * 8);
         int wu = wu0 + 8 * u;
         size_t off = off0 + (size_t)u * UB;
-        const unsigned char* u0 = sw + gid * WROW * 4;
-        const unsigned char* u1 = sw + (gid + 8) * WROW * 4;
-        if (gran == 4) {
-            u0 += ((size_t)min(n0 + gid, N - 1) * row_bytes + off) & 3;
-            u1 += ((size_t)min(n0 + gid + 8, N - 1) * row_bytes + off) & 3;
-        }
+        // staged rows gid and gid + 8 start (their address & 15) bytes before the unit
+        const unsigned char* u0 = sw + gid * WROW * 4 + (((size_t)min(n0 + gid, N - 1) * row_bytes + off) & 15);
+        const unsigned char* u1 = sw + (gid + 8) * WROW * 4
+                                + (((size_t)min(n0 + gid + 8, N - 1) * row_bytes + off) & 15);
         int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);
 #pragma unroll
         for (int bi = 0; bi < 8; ++bi) {

@@ -306,7 +306,8 @@ class CudaBackend:
         g, nbs = lane_terms(nb), w0.terms or nb
         _check(k == w0.k and d.shape == (m, nb) and a.shape == (m, nb), f"matmul_q {names} K={w0.k}")
         _check(q.flags.c_contiguous and q.data.ptr % 16 == 0, "matmul_q: x codes contiguous, 16-byte aligned")
-        _check(all(w.qtype not in FLOAT_TYPES for w in ms), "matmul_q takes quantized weights")
+        _check(all(w.qtype not in FLOAT_TYPES and w.data.data.ptr % 16 == 0 for w in ms),
+               "matmul_q takes quantized weights, 16-byte aligned")
         _check(w0.lanes in (4, 8, 16, 32) and w0.lane0 % w0.lanes == 0
                and w0.lane0 * g + nbs <= nb
                and nbs <= w0.lanes * g, f"matmul_q {names}: shard of lanes {w0.lane0}+{w0.lanes}, {nbs} blocks")

@@ -52,7 +52,7 @@ def compile_variant(cp, kernel: str, tokens: list[str]):
     path = f"/tmp/tune-{hashlib.sha256(' '.join(defines).encode()).hexdigest()[:12]}.cubin"
     with open(path, "wb") as f:
         f.write(cubin)
-    params = dict(DEFAULTS, **{t.lstrip("-D").split("=")[0]: int(t.split("=")[1]) for t in tokens})
+    params = dict(DEFAULTS, **{t.removeprefix("-D").split("=")[0]: int(t.split("=")[1]) for t in tokens})
     mod = cp.RawModule(path=path)
     return (mod.get_function(kernel), mod.get_function("quantize_q8"), mod), params
 
@@ -63,8 +63,8 @@ def weights(cp, kernel: str, qtype: str, n: int, k: int):
         return (cp.random.standard_normal((n, k), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
     bb, be = BLOCK_BYTES[qtype]
     w = cp.random.randint(0, 256, (n, k // be, bb), dtype=cp.uint8)
-    halves = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 2, "Q4_K": 2}[qtype]  # leading fp16 scale fields (ggml block layouts)
-    w[:, :, 0:2 * halves] = cp.asarray(np.full(halves, 0x2000, np.uint16).view(np.uint8))  # 2^-7
+    for at in {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}[qtype]:
+        w[:, :, at:at + 2] = cp.asarray(np.array([0x2000], np.uint16).view(np.uint8))  # fp16 scales 2^-7 (ggml)
     buf = cp.zeros(w.size + 256, cp.uint8)  # padded as node/backend_cuda.py _upload pads
     buf[:w.size] = w.reshape(-1)
     return buf[:w.size].reshape(n, -1)
