@@ -74,6 +74,30 @@ __device__ __forceinline__ float bx_exp32(float x) {
     return __fmul_rn(__fmul_rn(p, __int_as_float((n1 + 127) << 23)), __int_as_float((n2 + 127) << 23));
 }
 
+// Contract q8 quantization of one 32-element block whose values the warp's
+// lanes hold, element `lane` in lane `lane` (node/reference.py quantize_q8):
+// writes this lane's code *q and, from lane 0, the block's scale *d and the
+// exact sum of its codes *a. Every lane of the warp must call it.
+__device__ __forceinline__ void bx_quantize_block(float v, int lane, signed char* q, float* d, int* a) {
+    float amax = fabsf(v);
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(BX_FULL, amax, off));
+    float dd = __fdiv_rn(amax, 127.0f);
+    int qi = 0;
+    if (dd > 0.0f) {
+        float t = rintf(__fdiv_rn(v, dd));
+        qi = (int)fminf(fmaxf(t, -127.0f), 127.0f);
+    }
+    *q = (signed char)qi;
+    int s = qi;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) s += __shfl_xor_sync(BX_FULL, s, off);  // exact integer sum
+    if (lane == 0) {
+        *d = dd;
+        *a = s;
+    }
+}
+
 // Position of element k of a K-element row in the lane-major layout with
 // chunks of V elements (node/reference.py lane_major); V == 0: row-major.
 __device__ __forceinline__ int bx_lane_pos(int k, int K, int V) {

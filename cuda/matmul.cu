@@ -12,25 +12,8 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
     long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (gw >= (long long)M * nb) return;  // uniform per warp
-    int m = (int)(gw / nb), b = (int)(gw % nb);
-    float v = x[(size_t)m * K + 32 * b + lane];
-    float amax = fabsf(v);
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(BX_FULL, amax, off));
-    float dd = __fdiv_rn(amax, 127.0f);
-    int qi = 0;
-    if (dd > 0.0f) {
-        float t = rintf(__fdiv_rn(v, dd));
-        qi = (int)fminf(fmaxf(t, -127.0f), 127.0f);
-    }
-    q[(size_t)m * K + 32 * b + lane] = (signed char)qi;
-    int s = qi;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) s += __shfl_xor_sync(BX_FULL, s, off);  // exact integer sum
-    if (lane == 0) {
-        d[(size_t)m * nb + b] = dd;
-        a[(size_t)m * nb + b] = s;
-    }
+    size_t e = (size_t)gw * 32 + lane;  // block gw = m * nb + b holds elements m * K + 32b ..
+    bx_quantize_block(x[e], lane, q + e, d + gw, a + gw);
 }
 
 // ---- matmul_q: int8 tensor-core MMA per block, the contract's fold per output

@@ -61,6 +61,19 @@ class LaneMajor(NamedTuple):
     v: int
 
 
+class Q8(NamedTuple):
+    """fp32 activations ``[M, K]`` quantized per 32-element block
+    (:func:`node.reference.quantize_q8`): int8 codes ``q [M, K]``, fp32 scales
+    ``d [M, K/32]`` and int32 code sums ``a [M, K/32]``, as ``quantize_q8`` or a
+    producer kernel writes them for the quantized-weight products that read them."""
+    q: object
+    d: object
+    a: object
+
+
+Q8_OUT = -1  # chunk width argument of rms_norm / silu_gate asking for q8 codes (cuda/norm.cu, activation.cu)
+
+
 class Mat(NamedTuple):
     """A weight matrix ``[N, K]``, or a tensor-parallel shard of one, as the matmul kernels read it.
 
@@ -181,6 +194,7 @@ class CudaBackend:
                 self.k[n].max_dynamic_shared_size_bytes = MAX_SMEM
             # matmul_q's tile: tokens, and dynamic shared memory per warp by weight type (cuda/matmul.cu)
             (self.mq_tokens,) = module_ints(mods["matmul.cu"], "bx_mq_tokens")
+            (self.rn_threads,) = module_ints(mods["norm.cu"], "bx_rn_threads")
             self.mq_warp_smem = module_ints(mods["matmul.cu"], "bx_mq_warp_smem", len(QTYPE_IDS))
             # Float matrices are kept lane-major for matmul_f (token_embd stays
             # row-major for embed, plus a matrix of its own when it is the LM head).
@@ -276,7 +290,11 @@ class CudaBackend:
         a = cp.empty((m, nb), cp.int32)
         threads = 32 * m * nb
         self.k["quantize_q8"](((threads + 255) // 256,), (256,), (x, q, d, a, np.int32(m), np.int32(k)))
-        return q, d, a
+        return Q8(q, d, a)
+
+    def _q8_buffers(self, m, k):
+        cp = self.cp
+        return Q8(cp.empty((m, k), cp.int8), cp.empty((m, k // 32), cp.float32), cp.empty((m, k // 32), cp.int32))
 
     def _fused(self, names):
         """Matrices of one fused launch: at most three with one K and one shard of it;
@@ -358,19 +376,21 @@ class CudaBackend:
         return ys
 
     def _check_width(self, k, v, what):
-        _check(v == 0 or (v in (1, 2, 4, 8) and k % 32 == 0 and (k // 32) % v == 0),
-               f"{what}: lane-major chunk width {v} must divide K/32 (K={k})")
+        _check(v == 0 or (v == Q8_OUT and k % 32 == 0) or (v in (1, 2, 4, 8) and k % 32 == 0 and (k // 32) % v == 0),
+               f"{what}: lane-major chunk width {v} must divide K/32, q8 output needs K % 32 == 0 (K={k})")
 
     def launch_rms_norm(self, x, w, eps, v=0):
-        """RMSNorm of fp32 x [M, K]; output row-major (v = 0) or lane-major with chunks of v."""
+        """RMSNorm of fp32 x [M, K]; output fp32 row-major (v = 0), lane-major with chunks
+        of v, or (v = Q8_OUT) its :class:`Q8` codes."""
         cp = self.cp
         m, k = x.shape
         _check(x.dtype == cp.float32 and x.flags.c_contiguous and w.shape == (k,), "rms_norm x [M, K], w [K]")
         self._check_width(k, v, "rms_norm")
         smem = (2 * k + 32) * 4
         _check(smem <= MAX_SMEM, f"rms_norm K={k} exceeds shared memory")
-        y = cp.empty_like(x)
-        self.k["rms_norm"]((m,), (256,), (x, w, y, np.int32(m), np.int32(k), np.float32(eps), np.int32(v)),
+        y = self._q8_buffers(m, k) if v == Q8_OUT else cp.empty_like(x)
+        outs = (y.q, *y) if v == Q8_OUT else (y,) * 4  # (y, q, qd, qa); the kernel writes y or the codes
+        self.k["rms_norm"]((m,), (self.rn_threads,), (x, w, *outs, np.int32(m), np.int32(k), np.float32(eps), np.int32(v)),
                            shared_mem=smem)
         return y
 
@@ -415,12 +435,15 @@ class CudaBackend:
         return out
 
     def launch_silu_gate(self, g, u, v=0):
-        """SiLU gate of fp32 g, u [..., K]; output row-major (v = 0) or lane-major with chunks of v."""
+        """SiLU gate of fp32 g, u [..., K]; output fp32 row-major (v = 0), lane-major with
+        chunks of v, or (v = Q8_OUT) the :class:`Q8` codes of its rows."""
         _check(g.shape == u.shape and g.flags.c_contiguous and u.flags.c_contiguous, "silu_gate shapes")
         k = g.shape[-1]
         self._check_width(k, v, "silu_gate")
-        out = self.cp.empty_like(g)
-        self.k["silu_gate"](((g.size + 255) // 256,), (256,), (g, u, out, np.int64(g.size), np.int32(k), np.int32(v)))
+        out = self._q8_buffers(g.size // k, k) if v == Q8_OUT else self.cp.empty_like(g)
+        outs = (out.q, *out) if v == Q8_OUT else (out,) * 4  # (out, q, qd, qa); the kernel writes out or the codes
+        self.k["silu_gate"](((g.size + 255) // 256,), (256,),
+                            (g, u, *outs, np.int64(g.size), np.int32(k), np.int32(v)))
         return out
 
     def launch_residual_add(self, x, y):
@@ -537,15 +560,26 @@ class CudaBackend:
             return 0
         return lane_width(self.model.tensors[feeds[0]].cols, sizes.pop())
 
+    def _feed_output(self, feeds) -> int:
+        """Output argument of a producer kernel whose result only ``feeds`` read:
+        :data:`Q8_OUT` when every one has quantized weights, else :meth:`_feed_width`."""
+        if feeds and all(self.model.tensors[n].qtype not in FLOAT_TYPES for n in feeds):
+            return Q8_OUT
+        return self._feed_width(feeds)
+
+    def _wrap(self, y, v):
+        return LaneMajor(y, v) if v > 0 else y
+
     def rms_norm(self, x, name, feeds=()):
-        """RMSNorm; written lane-major when every product in ``feeds`` has float weights."""
-        v = self._feed_width(feeds)
+        """RMSNorm; written lane-major when every product in ``feeds`` has float weights,
+        as q8 codes when every one has quantized weights."""
+        v = self._feed_output(feeds)
         y = self.launch_rms_norm(self.cp.ascontiguousarray(x), self._weights[name], self.hp.rms_eps, v)
-        return LaneMajor(y, v) if v else y
+        return self._wrap(y, v)
 
     def linears(self, x, names):
-        """``[x @ W.T for W in names]`` (same K): x fp32 ``[M, K]`` (or :class:`LaneMajor`);
-        results fp32 ``[M, N_i]``.
+        """``[x @ W.T for W in names]`` (same K): x fp32 ``[M, K]`` (or :class:`LaneMajor`,
+        or :class:`Q8`); results fp32 ``[M, N_i]``.
 
         x is quantized once for the quantized weights and laid out lane-major
         once per chunk width for the float weights (unless its producer already
@@ -554,6 +588,9 @@ class CudaBackend:
         if isinstance(x, LaneMajor):
             _check(self._feed_width(names) == x.v, f"lane-major input of width {x.v} does not match {names}")
             return self.launch_matmul_f(x.data, list(names))
+        if isinstance(x, Q8):
+            _check(self._feed_output(names) == Q8_OUT, f"q8 input for {names}")
+            return self.launch_matmul_q(x, list(names))
         x = self.cp.ascontiguousarray(x)
         k = x.shape[1]
         groups: dict[str, list[int]] = {}
@@ -575,10 +612,10 @@ class CudaBackend:
         return self.launch_rope(self.cp.ascontiguousarray(x), cos, sin)
 
     def silu_gate(self, g, u, feeds=()):
-        """SiLU gate; written lane-major when every product in ``feeds`` has float weights."""
-        v = self._feed_width(feeds)
-        y = self.launch_silu_gate(g, u, v)
-        return LaneMajor(y, v) if v else y
+        """SiLU gate; written lane-major when every product in ``feeds`` has float weights,
+        as q8 codes when every one has quantized weights."""
+        v = self._feed_output(feeds)
+        return self._wrap(self.launch_silu_gate(g, u, v), v)
 
     def residual_add(self, x, y):
         return self.launch_residual_add(x, y)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from .backend_cuda import ESIZE, SUPER_BLOCKS, CudaBackend, GpuError, LaneMajor, Mat, _cupy
+from .backend_cuda import ESIZE, SUPER_BLOCKS, Q8, CudaBackend, GpuError, LaneMajor, Mat, _cupy
 from .gguf_model import FLOAT_TYPES, Model
 from .reference import WARP
 from .tp import ROW_PARALLEL, ShardPlan
@@ -151,7 +151,7 @@ class CudaRankBackend(CudaBackend):
         all-gathered and assembled (:func:`pack_pieces`, :func:`unpack_pieces`).
         A row-parallel matrix comes alone."""
         cp = self.cp
-        m = (x.data if isinstance(x, LaneMajor) else x).shape[0]
+        m = (x.data if isinstance(x, LaneMajor) else x.q if isinstance(x, Q8) else x).shape[0]
         if any(n.endswith(ROW_PARALLEL) for n in names) and len(names) != 1:
             raise ValueError(f"a row-parallel product is computed alone, got {names}")
         live = [n for n in names if self._mats[n] is not None]

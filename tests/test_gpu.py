@@ -172,6 +172,18 @@ def test_elementwise_twins(backends):
     u2 = rng.standard_normal((3, 512)).astype(F32)
     assert_same(ref.lane_major(ref.silu_gate(g2, u2), 4),
                 be.to_host(be.launch_silu_gate(be.from_host(g2), be.from_host(u2), 4)), "silu lane-major")
+    # q8 outputs: the codes quantize_q8 writes for the fp32 result; an all-zero block (d = 0), subnormals
+    from node.backend_cuda import Q8, Q8_OUT
+    x[2, 32:64] = 0.0
+    g2[1, 64:96] = np.float32(1e-44) * rng.integers(-5, 5, 32)
+    for what, want, got in (
+            ("rms_norm", ref.rms_norm(x, w, 1e-5),
+             be.launch_rms_norm(be.from_host(x), be.from_host(w), 1e-5, Q8_OUT)),
+            ("silu_gate", ref.silu_gate(g2, u2), be.launch_silu_gate(be.from_host(g2), be.from_host(u2), Q8_OUT))):
+        for name, w8, g8 in zip("qda", ref.quantize_q8(want), got):
+            assert_same(w8, be.to_host(g8).reshape(w8.shape), f"{what} q8 {name}")
+    # the engine's RMSNorm before quantized products writes the codes itself
+    assert isinstance(be.rms_norm(be.from_host(x), "blk.0.attn_norm.weight", ["blk.0.attn_q.weight"]), Q8)
     g = np.concatenate([rng.standard_normal(4000) * 30, [0.0, -0.0, 88.7, 89.0, -104.5, -103.9, 1e-40, -1e-40]])
     g = g.astype(F32)
     u = rng.standard_normal(g.size).astype(F32)
