@@ -128,7 +128,15 @@ def main() -> int:
     ap.add_argument("variants", nargs="+",
                     help="space-separated -D overrides and split=N per variant ('' = the defaults)")
     args = ap.parse_args()
-    import cupy as cp
+    for v in args.variants:  # -DNAME=INT overrides and split=4|8, before the GPU is touched
+        for t in v.split():
+            name, _, val = t.removeprefix("-D").partition("=")
+            if not (val.lstrip("-").isdigit() and (t.startswith("-D") and name or t in ("split=4", "split=8"))):
+                ap.error(f"variant token {t!r}: expected -DNAME=INT or split=4 / split=8")
+    try:
+        import cupy as cp
+    except ImportError:
+        ap.error("CuPy is not installed: this script runs on the GPU machine")
 
     variants = [(v or "defaults", *compile_variant(cp, args.kernel, v.split())) for v in args.variants]
     report = {"kernel": args.kernel, "shapes": args.shapes, "runs": [],
