@@ -32,6 +32,10 @@ KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.c
 MQ_TM, MF_WARPS = 8, 8  # tokens and warps per block of matmul_f (cuda/matmul.cu)
 MQ_ROWS, MF_ROWS = 16, 2  # output rows per tile of matmul_q (the MMA's M) / per warp of matmul_f
 MQ_NARROW = 128  # matmul_q launches of fewer row tiles than this split K over 8 warps per tile, others over 4
+ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
+SUPER_BLOCKS = {"Q4_K": 8, "Q6_K": 8}  # 32-element blocks per super-block (ggml k-quants); others: 1
+MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes replayed through CUDA graphs
 
 
 def mq_split(rows: list[int], lanes: int) -> int:
@@ -47,10 +51,6 @@ def module_ints(mod, name: str, n: int = 1) -> list[int]:
     import cupy
 
     return cupy.ndarray((n,), cupy.int32, mod.get_global(name)).get().tolist()
-ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
-SUPER_BLOCKS = {"Q4_K": 8, "Q6_K": 8}  # 32-element blocks per super-block (ggml k-quants); others: 1
-MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes replayed through CUDA graphs
 
 
 class LaneMajor(NamedTuple):
@@ -192,7 +192,8 @@ class CudaBackend:
                 ("sampler.cu", ("argmax", "sample_keys", "sample_sorted")), ("tp.cu", ("tp_combine",))) for n in names}
             for n in ("rms_norm", "attention_split", "matmul_q"):
                 self.k[n].max_dynamic_shared_size_bytes = MAX_SMEM
-            # matmul_q's tile: tokens, and dynamic shared memory per warp by weight type (cuda/matmul.cu)
+            # launch shapes the kernel sources define: matmul_q's tokens per tile and dynamic shared
+            # memory per warp by weight type (cuda/matmul.cu), RMSNorm's threads (cuda/norm.cu)
             (self.mq_tokens,) = module_ints(mods["matmul.cu"], "bx_mq_tokens")
             (self.rn_threads,) = module_ints(mods["norm.cu"], "bx_rn_threads")
             self.mq_warp_smem = module_ints(mods["matmul.cu"], "bx_mq_warp_smem", len(QTYPE_IDS))
@@ -390,8 +391,8 @@ class CudaBackend:
         _check(smem <= MAX_SMEM, f"rms_norm K={k} exceeds shared memory")
         y = self._q8_buffers(m, k) if v == Q8_OUT else cp.empty_like(x)
         outs = (y.q, *y) if v == Q8_OUT else (y,) * 4  # (y, q, qd, qa); the kernel writes y or the codes
-        self.k["rms_norm"]((m,), (self.rn_threads,), (x, w, *outs, np.int32(m), np.int32(k), np.float32(eps), np.int32(v)),
-                           shared_mem=smem)
+        self.k["rms_norm"]((m,), (self.rn_threads,),
+                           (x, w, *outs, np.int32(m), np.int32(k), np.float32(eps), np.int32(v)), shared_mem=smem)
         return y
 
     def launch_rope(self, x, cos, sin):
