@@ -40,7 +40,7 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 // coalesced and the next unit streams in while this one is computed.
 // MMA k-slot order is free as long as A and B agree: thread c's k-slots
 // 4c..4c+3 and 16+4c..16+4c+3 hold the block's elements 8c..8c+7.
-#define MQ_TM 8     // tokens per warp of matmul_f; the MMA's N
+#define MQ_TM 8     // tokens per warp of matmul_f
 #define MQ_ROWS 16  // output rows per tile (the MMA's M)
 // Tile constant (none changes any sum; scripts/tune_matmul.py times variants).
 // bx_counter_push holds 4 levels, so a warp may own at most 8 of the 32 lanes:

@@ -285,15 +285,12 @@ class CudaBackend:
         cp = self.cp
         m, k = x.shape
         _check(x.dtype == cp.float32 and x.flags.c_contiguous and k % 32 == 0, "quantize_q8 x fp32 [M, K%32==0]")
-        nb = k // 32
-        q = cp.empty((m, k), cp.int8)
-        d = cp.empty((m, nb), cp.float32)
-        a = cp.empty((m, nb), cp.int32)
-        threads = 32 * m * nb
-        self.k["quantize_q8"](((threads + 255) // 256,), (256,), (x, q, d, a, np.int32(m), np.int32(k)))
-        return Q8(q, d, a)
+        out = self._q8_buffers(m, k)
+        self.k["quantize_q8"](((32 * m * (k // 32) + 255) // 256,), (256,), (x, *out, np.int32(m), np.int32(k)))
+        return out
 
     def _q8_buffers(self, m, k):
+        """Uninitialized :class:`Q8` arrays for ``[m, k]`` activations."""
         cp = self.cp
         return Q8(cp.empty((m, k), cp.int8), cp.empty((m, k // 32), cp.float32), cp.empty((m, k // 32), cp.int32))
 
@@ -569,6 +566,7 @@ class CudaBackend:
         return self._feed_width(feeds)
 
     def _wrap(self, y, v):
+        """A producer's output ``y`` written with output argument ``v``: :class:`LaneMajor` when v > 0."""
         return LaneMajor(y, v) if v > 0 else y
 
     def rms_norm(self, x, name, feeds=()):
@@ -763,5 +761,4 @@ class CudaBackend:
         self.launch_kv_store(layer, self.cp.ascontiguousarray(k), self.cp.ascontiguousarray(v))
         self._layer_k, self._layer_v = self.kp[layer], self.vp[layer]
         width = self._feed_width(feeds)
-        y = self.launch_attention(self.cp.ascontiguousarray(q), width)
-        return LaneMajor(y, width) if width else y
+        return self._wrap(self.launch_attention(self.cp.ascontiguousarray(q), width), width)
