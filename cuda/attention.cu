@@ -1,27 +1,10 @@
 // bitexact: causal GQA attention with fixed 256-position KV splits
 // (docs/determinism.md section 8). The KV cache is paged: one page holds one
 // split (256 positions) of one sequence: [n_pages, Hkv, 256, hd] fp32 per layer.
-// Kernels: kv_store, attention_split, attention_combine. Launchers with shape
-// checks: node/backend_cuda.py launch_kv_store, launch_attention (same order).
+// Kernels: attention_split, attention_combine (rope.cu stores the keys and
+// values). Launcher with shape checks: node/backend_cuda.py launch_attention.
 // Twin: node/reference.py attention.
 #include "common.cuh"
-
-#define SPLIT_KV 256
-
-// k, v fp32 [T, Hkv, hd] -> page tok_page[t], slot tok_slot[t].
-extern "C" __global__ void kv_store(const float* __restrict__ k, const float* __restrict__ v,
-                                    float* __restrict__ kp, float* __restrict__ vp,
-                                    const int* __restrict__ tok_page, const int* __restrict__ tok_slot,
-                                    int T, int Hkv, int hd) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)T * Hkv * hd) return;
-    int d = (int)(i % hd);
-    int h = (int)((i / hd) % Hkv);
-    int t = (int)(i / ((long long)hd * Hkv));
-    size_t dst = (((size_t)tok_page[t] * Hkv + h) * SPLIT_KV + tok_slot[t]) * hd + d;
-    kp[dst] = k[i];
-    vp[dst] = v[i];
-}
 
 // One block of 256 threads (8 warps) per (token t, head h, split c); slots
 // past the query's position are skipped (they add +0 in the contract).
@@ -119,12 +102,16 @@ extern "C" __global__ void __launch_bounds__(SPLIT_KV) attention_split(
 }
 
 // One block per (token, head), thread d: combine splits 0 .. p/256 in order.
-// out [T, H*hd]: row-major (V == 0) or lane-major with chunks of V for matmul_f.
+// out [T, H*hd]: row-major (V == 0) or lane-major with chunks of V for matmul_f,
+// or (V < 0, hd % 32 == 0) the q8 codes q, scales qd and code sums qa of its
+// 32-element blocks for matmul_q (twin: reference.quantize_q8 of the output).
 extern "C" __global__ void attention_combine(const float* __restrict__ part_m, const float* __restrict__ part_l,
                                              const float* __restrict__ part_o, const int* __restrict__ qpos,
-                                             float* __restrict__ out, int T, int H, int hd, int max_splits, int V) {
+                                             float* __restrict__ out, signed char* __restrict__ q,
+                                             float* __restrict__ qd, int* __restrict__ qa, int T, int H, int hd,
+                                             int max_splits, int V) {
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
-    if (d >= hd) return;
+    if (d >= hd) return;  // uniform per warp when V < 0 (hd % 32 == 0)
     int n_split = qpos[t] / SPLIT_KV + 1;
     size_t base = ((size_t)t * H + h) * max_splits;
     float mx = part_m[base];
@@ -135,5 +122,8 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_m, c
         L = __fadd_rn(L, __fmul_rn(part_l[base + c], w));
         O = __fadd_rn(O, __fmul_rn(part_o[(base + c) * hd + d], w));
     }
-    out[(size_t)t * H * hd + bx_lane_pos(h * hd + d, H * hd, V)] = __fdiv_rn(O, L);
+    float y = __fdiv_rn(O, L);
+    size_t e = (size_t)t * H * hd + h * hd + d;
+    if (V < 0) bx_quantize_block(y, d & 31, q + e, qd + (e >> 5), qa + (e >> 5));
+    else out[(size_t)t * H * hd + bx_lane_pos(h * hd + d, H * hd, V)] = y;
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #define BX_FULL 0xffffffffu
+#define SPLIT_KV 256  // KV positions per page and attention split (node/reference.py SPLIT_KV)
 #define BX_WARP 32
 
 // fp16 bits -> fp32, exact (PTX cvt.f32.f16 is a widening conversion).

@@ -2,7 +2,9 @@
 // Kernels: quantize_q8, matmul_q, lane_major, matmul_f. Launchers with shape
 // checks: node/backend_cuda.py (launch_quantize_q8, launch_matmul_q,
 // launch_lane_major, launch_matmul_f), in the same order. Twins:
-// node/reference.py quantize_q8, matmul_q, lane_major, matmul_f.
+// node/reference.py quantize_q8, matmul_q, lane_major, matmul_f. matmul_q and
+// matmul_f take a residual r0 for the first matrix (nullptr: none) and write
+// y0 = r0 + product, the twin of reference.residual_add after the product.
 #include "common.cuh"
 
 // ---- quantize_q8: one warp per 32-element block of one token ----------------
@@ -185,7 +187,8 @@ __device__ __forceinline__ void bx_stage_rows(unsigned char* sw, int wrow, const
 // One warp's share of a tile: see the kernel's comment. smem: the block's
 // dynamic shared memory (each warp's two stages, then the subtree slots).
 template <int QT>
-__device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict__ W, float* __restrict__ y, int n0,
+__device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict__ W, float* __restrict__ y,
+                                                 const float* __restrict__ r, int n0,
                                                  int N, int row_bytes, const signed char* __restrict__ xq,
                                                  const float* __restrict__ xd, const int* __restrict__ xa, int M,
                                                  int m0, int K, int g, int lanes, int blk0, int b_off, int nbs,
@@ -327,14 +330,16 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         for (int s = 0; s < 8; ++s) v[s] = s < split ? part[s][i][lane] : 0.0f;
         float sum = split == 8 ? bx_tree<8>(v) : bx_tree<4>(v);
         int n = n0 + gid + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c + (i & 1);
-        if (n < N && m < M) y[(size_t)m * N + n] = sum;
+        size_t o = (size_t)m * N + n;
+        if (n < N && m < M) y[o] = r ? __fadd_rn(r[o], sum) : sum;  // the residual add, fused
     }
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
          const unsigned char* __restrict__ W2, float* __restrict__ y0, float* __restrict__ y1,
-         float* __restrict__ y2, int N0, int N1, int N2, int qt0, int qt1, int qt2, int rb0, int rb1, int rb2,
+         float* __restrict__ y2, const float* __restrict__ r0, int N0, int N1, int N2, int qt0, int qt1, int qt2,
+         int rb0, int rb1, int rb2,
          const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xa, int M, int K,
          int g, int lanes, int blk0, int b_off, int nbs, int split) {
     extern __shared__ __align__(16) unsigned char bx_smem[];  // split * bx_mq_warp_smem[qtype] bytes
@@ -342,10 +347,11 @@ matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
     int w0 = (N0 + MQ_ROWS - 1) / MQ_ROWS, w1 = (N1 + MQ_ROWS - 1) / MQ_ROWS, w2 = (N2 + MQ_ROWS - 1) / MQ_ROWS;
     const unsigned char* W = W0;
     float* y = y0;
+    const float* r = r0;
     int N = N0, qtype = qt0, row_bytes = rb0;
     if (w >= w0) {
         w -= w0;
-        W = W1; y = y1; N = N1; qtype = qt1; row_bytes = rb1;
+        W = W1; y = y1; r = nullptr; N = N1; qtype = qt1; row_bytes = rb1;
         if (w >= w1) {
             w -= w1;
             W = W2; y = y2; N = N2; qtype = qt2; row_bytes = rb2;
@@ -353,7 +359,7 @@ matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
         }
     }
     int n0 = w * MQ_ROWS, m0 = blockIdx.x * MQ_TT;
-#define BX_MQ(QT) bx_matmul_q_warp<QT>(W, y, n0, N, row_bytes, xq, xd, xa, M, m0, K, g, lanes, blk0, b_off, nbs, \
+#define BX_MQ(QT) bx_matmul_q_warp<QT>(W, y, r, n0, N, row_bytes, xq, xd, xa, M, m0, K, g, lanes, blk0, b_off, nbs, \
                                        split, bx_smem)
     if (qtype == BX_Q8_0) BX_MQ(BX_Q8_0);
     else if (qtype == BX_Q4_0) BX_MQ(BX_Q4_0);
@@ -463,9 +469,10 @@ __device__ __forceinline__ void bx_load_x(const float* __restrict__ p, float* xv
 // Rows n0 + sub*MF_ROWS .. of W for sub-warp sub (rows past N read row N-1 and are not written).
 template <int WT, int V, int LANES>
 __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict__ W, const float* __restrict__ xl,
-                                                 float* __restrict__ y, int n0, int N, int M, int m0, int K,
-                                                 int lane, int lane0) {
+                                                 float* __restrict__ y, const float* __restrict__ res, int n0, int N,
+                                                 int M, int K, int lane0) {
     constexpr int lanes = LANES;
+    int lane = threadIdx.x & 31, m0 = blockIdx.x * MQ_TM;
     using C = BxChunk<WT, V>;
     int sub = lane / lanes, l = lane & (lanes - 1);
     n0 += sub * MF_ROWS;
@@ -511,54 +518,57 @@ __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict
 #pragma unroll
         for (int t = 0; t < MQ_TM; ++t) {
             float v = bx_butterfly_lanes(acc[r][t], LANES);
-            if (l == 0 && m0 + t < M && n0 + r < N) y[(size_t)(m0 + t) * N + n0 + r] = v;
+            size_t o = (size_t)(m0 + t) * N + n0 + r;
+            if (l == 0 && m0 + t < M && n0 + r < N) y[o] = res ? __fadd_rn(res[o], v) : v;  // the residual add, fused
         }
 }
 
 // Not inlined: with every (type, lanes) body inlined into one kernel the
 // register allocator spills; as calls each body gets the 80 registers alone.
+// vl = V | lane0 << 8: one argument fewer, so every argument is passed in a register.
 template <int WT, int LANES>
-__device__ __noinline__ void bx_matmul_f_v(int V, const unsigned char* W, const float* xl, float* y, int n0,
-                                              int N, int M, int m0, int K, int lane, int lane0) {
-    if (V == 8) bx_matmul_f_rows<WT, (WT == BX_F32 ? 4 : 8), LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
-    else if (V == 4) bx_matmul_f_rows<WT, 4, LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
-    else if (V == 2) bx_matmul_f_rows<WT, 2, LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
-    else bx_matmul_f_rows<WT, 1, LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
+__device__ __noinline__ void bx_matmul_f_v(int vl, const unsigned char* W, const float* xl, float* y, const float* r,
+                                           int n0, int N, int M, int K) {
+    int V = vl & 255, lane0 = vl >> 8;
+    if (V == 8) bx_matmul_f_rows<WT, (WT == BX_F32 ? 4 : 8), LANES>(W, xl, y, r, n0, N, M, K, lane0);
+    else if (V == 4) bx_matmul_f_rows<WT, 4, LANES>(W, xl, y, r, n0, N, M, K, lane0);
+    else if (V == 2) bx_matmul_f_rows<WT, 2, LANES>(W, xl, y, r, n0, N, M, K, lane0);
+    else bx_matmul_f_rows<WT, 1, LANES>(W, xl, y, r, n0, N, M, K, lane0);
 }
 
 // The shard's lane count as a template argument, so the full warp's code is unchanged.
 template <int WT>
-__device__ __forceinline__ void bx_matmul_f_t(int V, const unsigned char* W, const float* xl, float* y, int n0,
-                                              int N, int M, int m0, int K, int lane, int lanes, int lane0) {
-    if (lanes == 32) bx_matmul_f_v<WT, 32>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
-    else if (lanes == 16) bx_matmul_f_v<WT, 16>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
-    else if (lanes == 8) bx_matmul_f_v<WT, 8>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
-    else bx_matmul_f_v<WT, 4>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
+__device__ __forceinline__ void bx_matmul_f_t(int V, const unsigned char* W, const float* xl, float* y, const float* r,
+                                              int n0, int N, int M, int K, int lanes, int lane0) {
+    int vl = V | lane0 << 8;
+    if (lanes == 32) bx_matmul_f_v<WT, 32>(vl, W, xl, y, r, n0, N, M, K);
+    else if (lanes == 16) bx_matmul_f_v<WT, 16>(vl, W, xl, y, r, n0, N, M, K);
+    else if (lanes == 8) bx_matmul_f_v<WT, 8>(vl, W, xl, y, r, n0, N, M, K);
+    else bx_matmul_f_v<WT, 4>(vl, W, xl, y, r, n0, N, M, K);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * MF_WARPS, MF_MINB)
 matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
          const unsigned char* __restrict__ W2, float* __restrict__ y0, float* __restrict__ y1,
-         float* __restrict__ y2, int N0, int N1, int N2, int wtype, int V, const float* __restrict__ xl, int M,
-         int K, int lanes, int lane0) {
-    int lane = threadIdx.x & 31;
+         float* __restrict__ y2, const float* __restrict__ r0, int N0, int N1, int N2, int wtype, int V,
+         const float* __restrict__ xl, int M, int K, int lanes, int lane0) {
     int w = blockIdx.y * MF_WARPS + (threadIdx.x >> 5);  // warp index over the matrices' warps
     int per = MF_ROWS * (32 / lanes);                     // rows per warp
     int w0 = (N0 + per - 1) / per, w1 = (N1 + per - 1) / per, w2 = (N2 + per - 1) / per;
     const unsigned char* W = W0;
     float* y = y0;
+    const float* r = r0;
     int N = N0;
     if (w >= w0) {
         w -= w0;
-        W = W1; y = y1; N = N1;
+        W = W1; y = y1; r = nullptr; N = N1;
         if (w >= w1) {
             w -= w1;
             W = W2; y = y2; N = N2;
             if (w >= w2) return;  // uniform per warp
         }
     }
-    int m0 = blockIdx.x * MQ_TM;
-    if (wtype == BX_F32) bx_matmul_f_t<BX_F32>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
-    else if (wtype == BX_F16) bx_matmul_f_t<BX_F16>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
-    else bx_matmul_f_t<BX_BF16>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
+    if (wtype == BX_F32) bx_matmul_f_t<BX_F32>(V, W, xl, y, r, w * per, N, M, K, lanes, lane0);
+    else if (wtype == BX_F16) bx_matmul_f_t<BX_F16>(V, W, xl, y, r, w * per, N, M, K, lanes, lane0);
+    else bx_matmul_f_t<BX_BF16>(V, W, xl, y, r, w * per, N, M, K, lanes, lane0);
 }

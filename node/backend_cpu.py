@@ -68,14 +68,16 @@ class CpuBackend:
                 out.append(ref.matmul_q(xq, w))
         return out
 
-    def rope(self, x, cos, sin):
-        return ref.rope(x, cos, sin)
-
     def silu_gate(self, g, u, feeds=()):
         return ref.silu_gate(g, u)
 
     def residual_add(self, x, y):
         return ref.residual_add(x, y)
+
+    def linear_residual(self, x, h, name):
+        """``x + h @ W.T`` for the one matrix ``name``: the residual stream x fp32 ``[M, N]``
+        plus the product (:meth:`linears`, then ``reference.residual_add``)."""
+        return self.residual_add(x, self.linears(h, (name,))[0])
 
     def to_host(self, x) -> np.ndarray:
         return x
@@ -118,10 +120,11 @@ class CpuBackend:
                     grown[:, :, :cache[i].shape[2]] = cache[i]
                     cache[i] = grown
 
-    def attend(self, layer, q, k, v, feeds=()):
-        """Store k, v (fp32 ``[M, Hkv, hd]``) at their positions, then return
-        attention of q (fp32 ``[M, H, hd]``), each token over its own sequence,
-        as fp32 ``[M, H*hd]``."""
+    def attend(self, layer, q, k, v, cos, sin, feeds=()):
+        """RoPE of q (fp32 ``[M, H, hd]``) and k (fp32 ``[M, Hkv, hd]``) with the step's
+        table rows cos, sin (fp32 ``[M, hd/2]``); store k, v at their positions, then
+        return attention of q, each token over its own sequence, as fp32 ``[M, H*hd]``."""
+        q, k = ref.rope(q, cos, sin), ref.rope(k, cos, sin)
         out = np.empty_like(q)
         for seq, a, b in self._spans:
             kc, vc = self._kv[seq][0][layer], self._kv[seq][1][layer]

@@ -187,7 +187,7 @@ class CudaBackend:
             mods = load_modules(cp)
             self.k = {n: mods[f].get_function(n) for f, names in (
                 ("matmul.cu", ("quantize_q8", "matmul_q", "lane_major", "matmul_f")), ("norm.cu", ("rms_norm",)),
-                ("rope.cu", ("rope",)), ("attention.cu", ("kv_store", "attention_split", "attention_combine")),
+                ("rope.cu", ("rope",)), ("attention.cu", ("attention_split", "attention_combine")),
                 ("activation.cu", ("silu_gate",)), ("residual.cu", ("residual_add",)), ("embed.cu", ("embed",)),
                 ("sampler.cu", ("argmax", "sample_keys", "sample_sorted")), ("tp.cu", ("tp_combine",))) for n in names}
             for n in ("rms_norm", "attention_split", "matmul_q"):
@@ -310,9 +310,19 @@ class CudaBackend:
         _check(blocks <= 65535, f"matmul rows {sum(rows)} exceed the grid")
         return ((m + tokens - 1) // tokens, blocks)
 
-    def launch_matmul_q(self, xq, names):
+    def _residual(self, r, ms, m):
+        """The residual operand of a product launch: fp32 [m, N] of its one whole matrix, or None."""
+        if r is None:
+            return None
+        _check(len(ms) == 1 and ms[0].lanes == WARP and ms[0].terms == 0 and r.dtype == self.cp.float32
+               and r.flags.c_contiguous and r.shape == (m, ms[0].rows),
+               "residual add: one whole matrix, fp32 [M, N] residual")
+        return r
+
+    def launch_matmul_q(self, xq, names, residual=None):
         """Quantized products of one quantized input with 1-3 matrices of the same K
-        (or one row-parallel shard); list of fp32 [M, N_i]."""
+        (or one row-parallel shard); list of fp32 [M, N_i]. ``residual`` fp32 [M, N]
+        (one whole matrix only) is added to the product in the epilogue."""
         cp = self.cp
         ms, rows = self._fused(names)
         q, d, a = xq
@@ -324,6 +334,7 @@ class CudaBackend:
         _check(q.flags.c_contiguous and q.data.ptr % 16 == 0, "matmul_q: x codes contiguous, 16-byte aligned")
         _check(all(w.qtype not in FLOAT_TYPES and w.data.data.ptr % 16 == 0 for w in ms),
                "matmul_q takes quantized weights, 16-byte aligned")
+        r = self._residual(residual, ms, m)
         _check(w0.lanes in (4, 8, 16, 32) and w0.lane0 % w0.lanes == 0
                and w0.lane0 * g + nbs <= nb
                and nbs <= w0.lanes * g, f"matmul_q {names}: shard of lanes {w0.lane0}+{w0.lanes}, {nbs} blocks")
@@ -335,7 +346,7 @@ class CudaBackend:
         rb = [w.data.shape[1] for w in ms] + [0] * pad
         split = mq_split(rows, w0.lanes)
         self.k["matmul_q"](self._matmul_grid(m, rows, 1, MQ_ROWS, self.mq_tokens), (32 * split,),
-                           (*ws, *yy, *(np.int32(r) for r in rows), *(np.int32(v) for v in qt),
+                           (*ws, *yy, r, *(np.int32(n) for n in rows), *(np.int32(v) for v in qt),
                             *(np.int32(v) for v in rb), q, d, a, np.int32(m), np.int32(k), np.int32(g),
                             np.int32(w0.lanes), np.int32(w0.lane0 * g), np.int32(w0.b_off), np.int32(nbs),
                             np.int32(split)),
@@ -352,9 +363,10 @@ class CudaBackend:
         self.k["lane_major"](((m * k + 255) // 256,), (256,), (x, out, np.int32(m), np.int32(k), np.int32(v)))
         return out
 
-    def launch_matmul_f(self, xl, names):
+    def launch_matmul_f(self, xl, names, residual=None):
         """Float-weight products of one lane-major input with 1-3 matrices of one type and K
-        (or one row-parallel shard); list of fp32 [M, N_i]."""
+        (or one row-parallel shard); list of fp32 [M, N_i]. ``residual`` fp32 [M, N]
+        (one whole matrix only) is added to the product in the epilogue."""
         cp = self.cp
         ms, rows = self._fused(names)
         m, k = xl.shape
@@ -363,12 +375,13 @@ class CudaBackend:
         _check(len({w.qtype for w in ms}) == 1 and w0.qtype in FLOAT_TYPES, "matmul_f: one float weight type")
         _check(w0.lanes in (4, 8, 16, 32) and w0.lane0 % w0.lanes == 0 and w0.lane0 + w0.lanes <= WARP
                and w0.data.shape == (w0.rows, w0.lanes * (k // WARP)), f"matmul_f {names}: lane shard")
+        r = self._residual(residual, ms, m)
         ys = [cp.empty((m, w.rows), cp.float32) for w in ms]
         pad = 3 - len(ms)
         ws = [w.data for w in ms] + [w0.data] * pad
         yy = ys + [ys[0]] * pad
         self.k["matmul_f"](self._matmul_grid(m, rows, MF_WARPS, MF_ROWS * (WARP // w0.lanes)), (32 * MF_WARPS,),
-                           (*ws, *yy, *(np.int32(r) for r in rows), np.int32(QTYPE_IDS[w0.qtype]),
+                           (*ws, *yy, r, *(np.int32(n) for n in rows), np.int32(QTYPE_IDS[w0.qtype]),
                             np.int32(lane_width(k, ESIZE[w0.qtype])), xl, np.int32(m), np.int32(k),
                             np.int32(w0.lanes), np.int32(w0.lane0)))
         return ys
@@ -392,26 +405,26 @@ class CudaBackend:
                            (x, w, *outs, np.int32(m), np.int32(k), np.float32(eps), np.int32(v)), shared_mem=smem)
         return y
 
-    def launch_rope(self, x, cos, sin):
+    def launch_rope(self, layer, q, k, v, cos, sin):
+        """RoPE of q fp32 [T, H, hd] (returned) and k fp32 [T, Hkv, hd], which is stored
+        with v in ``layer``'s KV cache pages at the step's slots; cos, sin fp32 [T, hd/2]."""
         cp = self.cp
-        m, h, hd = x.shape
-        _check(x.flags.c_contiguous and cos.shape == (m, hd // 2) and sin.shape == (m, hd // 2), "rope shapes")
-        out = cp.empty_like(x)
-        n = m * h * (hd // 2)
-        self.k["rope"](((n + 255) // 256,), (256,), (x, cp.ascontiguousarray(cos), cp.ascontiguousarray(sin),
-                                                     out, np.int32(m), np.int32(h), np.int32(hd)))
+        t, h, hd = q.shape
+        hkv = k.shape[1]
+        _check(all(a.dtype == cp.float32 and a.flags.c_contiguous for a in (q, k, v, cos, sin))
+               and k.shape == v.shape == (t, hkv, hd) and hd % 2 == 0 and cos.shape == sin.shape == (t, hd // 2)
+               and t == self._tok_page.size and hkv == self.hp.n_head_kv, "rope shapes")
+        out = cp.empty_like(q)
+        n = t * (h + hkv) * (hd // 2)
+        self.k["rope"](((n + 255) // 256,), (256,), (q, k, v, cos, sin, out, self.kp[layer], self.vp[layer],
+                                                     self._tok_page, self._tok_slot, np.int32(t), np.int32(h),
+                                                     np.int32(hkv), np.int32(hd)))
         return out
-
-    def launch_kv_store(self, layer, k, v):
-        t, hkv, hd = k.shape
-        _check(k.flags.c_contiguous and v.shape == k.shape and t == self._tok_page.size, "kv_store shapes")
-        n = t * hkv * hd
-        self.k["kv_store"](((n + 255) // 256,), (256,), (k, v, self.kp[layer], self.vp[layer], self._tok_page,
-                                                         self._tok_slot, np.int32(t), np.int32(hkv), np.int32(hd)))
 
     def launch_attention(self, q, v=0):
         """Attention of q fp32 [T, H, hd] over the step's pages; returns fp32 [T, H*hd],
-        row-major (v = 0) or lane-major with chunks of v."""
+        row-major (v = 0), lane-major with chunks of v, or (v = Q8_OUT, hd % 32 == 0)
+        its :class:`Q8` codes."""
         cp = self.cp
         t, h, hd = q.shape
         hkv = self.hp.n_head_kv
@@ -427,8 +440,10 @@ class CudaBackend:
                                                             np.int32(hkv), np.int32(hd), np.int32(ms), scale),
                                   shared_mem=smem)
         self._check_width(h * hd, v, "attention")
-        out = cp.empty((t, h * hd), cp.float32)
-        self.k["attention_combine"]((t, h), (hd,), (pm, pl, po, self._qpos, out, np.int32(t), np.int32(h),
+        _check(v != Q8_OUT or hd % 32 == 0, "attention: q8 output needs head_dim % 32 == 0")
+        out = self._q8_buffers(t, h * hd) if v == Q8_OUT else cp.empty((t, h * hd), cp.float32)
+        outs = (out.q, *out) if v == Q8_OUT else (out,) * 4  # (out, q, qd, qa); the kernel writes out or the codes
+        self.k["attention_combine"]((t, h), (hd,), (pm, pl, po, self._qpos, *outs, np.int32(t), np.int32(h),
                                                      np.int32(hd), np.int32(ms), np.int32(v)))
         return out
 
@@ -584,12 +599,21 @@ class CudaBackend:
         once per chunk width for the float weights (unless its producer already
         wrote it so); weights of one route (and float type) share one fused launch.
         """
+        return self._linears(x, names)
+
+    def linear_residual(self, x, h, name):
+        """``x + h @ W.T`` for the one matrix ``name``: x fp32 ``[M, N]`` (the residual
+        stream), h as :meth:`linears` takes it; fp32 ``[M, N]``. The add is fused into
+        the product's epilogue (the twin of reference.residual_add after the product)."""
+        return self._linears(h, (name,), self.cp.ascontiguousarray(x))[0]
+
+    def _linears(self, x, names, residual=None):
         if isinstance(x, LaneMajor):
             _check(self._feed_width(names) == x.v, f"lane-major input of width {x.v} does not match {names}")
-            return self.launch_matmul_f(x.data, list(names))
+            return self.launch_matmul_f(x.data, list(names), residual)
         if isinstance(x, Q8):
             _check(self._feed_output(names) == Q8_OUT, f"q8 input for {names}")
-            return self.launch_matmul_q(x, list(names))
+            return self.launch_matmul_q(x, list(names), residual)
         x = self.cp.ascontiguousarray(x)
         k = x.shape[1]
         groups: dict[str, list[int]] = {}
@@ -599,16 +623,13 @@ class CudaBackend:
         out = [None] * len(names)
         for key, idx in groups.items():
             if key == "q":
-                ys = self.launch_matmul_q(self.launch_quantize_q8(x), [names[i] for i in idx])
+                ys = self.launch_matmul_q(self.launch_quantize_q8(x), [names[i] for i in idx], residual)
             else:
                 ys = self.launch_matmul_f(self.launch_lane_major(x, lane_width(k, ESIZE[key])),
-                                          [names[i] for i in idx])
+                                          [names[i] for i in idx], residual)
             for i, y in zip(idx, ys):
                 out[i] = y
         return out
-
-    def rope(self, x, cos, sin):
-        return self.launch_rope(self.cp.ascontiguousarray(x), cos, sin)
 
     def silu_gate(self, g, u, feeds=()):
         """SiLU gate; written lane-major when every product in ``feeds`` has float weights,
@@ -755,10 +776,15 @@ class CudaBackend:
         self.stream.synchronize()
         return e["logits"][:m].copy()
 
-    def attend(self, layer, q, k, v, feeds=()):
-        """Store k, v (fp32 ``[M, Hkv, hd]``) and attend with q (fp32 ``[M, H, hd]``); returns
-        fp32 ``[M, H*hd]``, lane-major when every product in ``feeds`` has float weights."""
-        self.launch_kv_store(layer, self.cp.ascontiguousarray(k), self.cp.ascontiguousarray(v))
+    def attend(self, layer, q, k, v, cos, sin, feeds=()):
+        """RoPE of q (fp32 ``[M, H, hd]``) and k (fp32 ``[M, Hkv, hd]``) with the step's
+        table rows cos, sin (fp32 ``[M, hd/2]``), store k and v in the KV cache, attend;
+        returns fp32 ``[M, H*hd]``, lane-major when every product in ``feeds`` has float
+        weights, as q8 codes when every one has quantized weights (and hd % 32 == 0)."""
+        cp = self.cp
+        q = self.launch_rope(layer, *(cp.ascontiguousarray(a) for a in (q, k, v, cos, sin)))
         self._layer_k, self._layer_v = self.kp[layer], self.vp[layer]
-        width = self._feed_width(feeds)
-        return self._wrap(self.launch_attention(self.cp.ascontiguousarray(q), width), width)
+        out = self._feed_output(feeds)
+        if out == Q8_OUT and self.hp.head_dim % 32:
+            out = 0
+        return self._wrap(self.launch_attention(q, out), out)

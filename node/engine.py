@@ -183,14 +183,13 @@ class Engine:
             p = f"blk.{layer}."
             qkv = (p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight")
             q, k, v = be.linears(be.rms_norm(x, p + "attn_norm.weight", qkv), qkv)
-            q = be.rope(q.reshape(m, hp.n_head, hp.head_dim), cos, sin)
-            k = be.rope(k.reshape(m, hp.n_head_kv, hp.head_dim), cos, sin)
-            o = (p + "attn_output.weight",)
-            att = be.attend(layer, q, k, v.reshape(m, hp.n_head_kv, hp.head_dim), o)
-            x = be.residual_add(x, be.linears(att, o)[0])
+            o = p + "attn_output.weight"
+            att = be.attend(layer, q.reshape(m, hp.n_head, hp.head_dim), k.reshape(m, hp.n_head_kv, hp.head_dim),
+                            v.reshape(m, hp.n_head_kv, hp.head_dim), cos, sin, (o,))
+            x = be.linear_residual(x, att, o)
             gu = (p + "ffn_gate.weight", p + "ffn_up.weight")
             g, u = be.linears(be.rms_norm(x, p + "ffn_norm.weight", gu), gu)
-            down = (p + "ffn_down.weight",)
-            x = be.residual_add(x, be.linears(be.silu_gate(g, u, down), down)[0])
+            down = p + "ffn_down.weight"
+            x = be.linear_residual(x, be.silu_gate(g, u, (down,)), down)
         out = (self.model.output.name,)
         return be.linears(be.rms_norm(x[rows], "output_norm.weight", out), out)[0]

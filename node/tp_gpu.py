@@ -159,6 +159,11 @@ class CudaRankBackend(CudaBackend):
         recv = self._all_gather(pack_pieces(cp, self.plan, names, m, self.rank, own))
         return unpack_pieces(cp, self.plan, names, m, recv, self.launch_tp_combine)
 
+    def linear_residual(self, x, h, name):
+        """``x + h @ W.T``: the gathered product (:meth:`linears`), then the residual add
+        (a rank's piece of a row-parallel product is a partial sum, so nothing is fused)."""
+        return self.residual_add(x, self.linears(h, (name,))[0])
+
     def close(self) -> None:
         """Free the NCCL communicator."""
         if getattr(self, "comm", None) is not None:

@@ -85,7 +85,8 @@ def test_lane_major_twin(backends, v):
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("m", [1, 5, 8, 17])
 def test_matmul_twin(models, backends, qtype, m):
-    """Single and fused (gate+up in one launch) products equal the numpy twins."""
+    """Single and fused (gate+up in one launch) products equal the numpy twins, and
+    a single product with the residual add in its epilogue equals residual_add after it."""
     be, model = backends[qtype], models[qtype]
     rng = np.random.default_rng(100 + m)
     for names in (("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"), ("blk.0.ffn_down.weight",),
@@ -103,6 +104,11 @@ def test_matmul_twin(models, backends, qtype, m):
                                            for i, a in enumerate(xq)), list(names))
         for name, w, g in zip(names, want, got):
             assert_same(w, be.to_host(g), name)
+        if len(names) == 1:
+            r = (rng.standard_normal(want[0].shape) * 4).astype(F32)
+            r[:, :3] = (-want[0][:, :3], 0.0, np.float32(1e-41))   # exact cancellation, +0, subnormal
+            got = be.linear_residual(be.from_host(r), be.from_host(x), names[0])
+            assert_same(ref.residual_add(r, want[0]), be.to_host(got), f"{names[0]} + residual")
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
@@ -190,12 +196,6 @@ def test_elementwise_twins(backends):
     assert_same(ref.silu_gate(g, u), be.to_host(be.launch_silu_gate(be.from_host(g), be.from_host(u))), "silu")
     assert_same(ref.residual_add(g, u), be.to_host(be.launch_residual_add(be.from_host(g), be.from_host(u))),
                 "residual")
-    from node.rope_table import rope_table
-    cos, sin = rope_table(64, 4096, 10000.0)
-    pos = rng.integers(0, 4096, 9)
-    q = rng.standard_normal((9, 4, 64)).astype(F32)
-    got = be.launch_rope(be.from_host(q), be.from_host(cos[pos]), be.from_host(sin[pos]))
-    assert_same(ref.rope(q, cos[pos], sin[pos]), be.to_host(got), "rope")
     logits = rng.standard_normal((3, 300)).astype(F32)
     logits[1, [7, 9]] = 50.0        # tie: lowest id wins
     idx, nan = be.launch_argmax(be.from_host(logits))
@@ -251,8 +251,10 @@ def test_engine_draws_on_the_gpu_like_the_host(models):
 
 
 def test_attention_twin_multi_split(models):
-    """Paged split-KV attention for one sequence past two split boundaries."""
-    from node.backend_cuda import CudaBackend
+    """RoPE, the KV store and paged split-KV attention for one sequence past two
+    split boundaries; the output written row-major, lane-major and as q8 codes."""
+    from node.backend_cuda import Q8_OUT, CudaBackend
+    from node.rope_table import rope_table
     model = models["Q8_0"]
     hp = model.hparams
     be = CudaBackend(model, pin=None, kv_pages=16)
@@ -264,12 +266,19 @@ def test_attention_twin_multi_split(models):
     be.kv_alloc(1)
     pos = np.arange(n)
     be.begin_step([(1, 0, n)], pos)
-    got = be.to_host(be.attend(0, be.from_host(q), be.from_host(k), be.from_host(v)))
-    want = ref.attention(q, k.transpose(1, 0, 2), v.transpose(1, 0, 2), pos).reshape(n, -1)
+    cos, sin = rope_table(hp.head_dim, 1024, 10000.0)
+    got = be.to_host(be.attend(0, *(be.from_host(a) for a in (q, k, v, cos[pos], sin[pos]))))
+    qr, kr = ref.rope(q, cos[pos], sin[pos]), ref.rope(k, cos[pos], sin[pos])
+    want = ref.attention(qr, kr.transpose(1, 0, 2), v.transpose(1, 0, 2), pos).reshape(n, -1)
     assert_same(want, got, "attention")
+    for cache, want_kv in ((be.kp, kr), (be.vp, v)):   # the sequence's pages, in order
+        got_kv = be.to_host(cache[0])[be._pages[1]].transpose(1, 0, 2, 3).reshape(hp.n_head_kv, -1, hp.head_dim)
+        assert_same(want_kv.transpose(1, 0, 2), got_kv[:, :n], "roped keys and values in the KV cache")
     for width in (8, 2):   # written lane-major for a float-weight output projection
-        assert_same(ref.lane_major(want, width), be.to_host(be.launch_attention(be.from_host(q), width)),
+        assert_same(ref.lane_major(want, width), be.to_host(be.launch_attention(be.from_host(qr), width)),
                     f"attention lane-major {width}")
+    for name, w8, g8 in zip("qda", ref.quantize_q8(want), be.launch_attention(be.from_host(qr), Q8_OUT)):
+        assert_same(w8, be.to_host(g8).reshape(w8.shape), f"attention q8 {name}")
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
