@@ -2,8 +2,8 @@
 // Kernels: quantize_q8, matmul_q, lane_major, matmul_f. Launchers with shape
 // checks: node/backend_cuda.py (launch_quantize_q8, launch_matmul_q,
 // launch_lane_major, launch_matmul_f), in the same order. Twins:
-// node/reference.py quantize_q8, matmul_q, lane_major, matmul_f. matmul_q and
-// matmul_f take a residual r0 for the first matrix (nullptr: none) and write
+// node/reference.py quantize_q8, matmul_q, lane_major, matmul_f. matmul_q
+// takes a residual r0 for its first matrix (nullptr: none) and writes
 // y0 = r0 + product, the twin of reference.residual_add after the product.
 #include "common.cuh"
 
@@ -469,10 +469,9 @@ __device__ __forceinline__ void bx_load_x(const float* __restrict__ p, float* xv
 // Rows n0 + sub*MF_ROWS .. of W for sub-warp sub (rows past N read row N-1 and are not written).
 template <int WT, int V, int LANES>
 __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict__ W, const float* __restrict__ xl,
-                                                 float* __restrict__ y, const float* __restrict__ res, int n0, int N,
-                                                 int M, int K, int lane0) {
+                                                 float* __restrict__ y, int n0, int N, int M, int m0, int K,
+                                                 int lane, int lane0) {
     constexpr int lanes = LANES;
-    int lane = threadIdx.x & 31, m0 = blockIdx.x * MQ_TM;
     using C = BxChunk<WT, V>;
     int sub = lane / lanes, l = lane & (lanes - 1);
     n0 += sub * MF_ROWS;
@@ -518,57 +517,54 @@ __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict
 #pragma unroll
         for (int t = 0; t < MQ_TM; ++t) {
             float v = bx_butterfly_lanes(acc[r][t], LANES);
-            size_t o = (size_t)(m0 + t) * N + n0 + r;
-            if (l == 0 && m0 + t < M && n0 + r < N) y[o] = res ? __fadd_rn(res[o], v) : v;  // the residual add, fused
+            if (l == 0 && m0 + t < M && n0 + r < N) y[(size_t)(m0 + t) * N + n0 + r] = v;
         }
 }
 
 // Not inlined: with every (type, lanes) body inlined into one kernel the
 // register allocator spills; as calls each body gets the 80 registers alone.
-// vl = V | lane0 << 8: one argument fewer, so every argument is passed in a register.
 template <int WT, int LANES>
-__device__ __noinline__ void bx_matmul_f_v(int vl, const unsigned char* W, const float* xl, float* y, const float* r,
-                                           int n0, int N, int M, int K) {
-    int V = vl & 255, lane0 = vl >> 8;
-    if (V == 8) bx_matmul_f_rows<WT, (WT == BX_F32 ? 4 : 8), LANES>(W, xl, y, r, n0, N, M, K, lane0);
-    else if (V == 4) bx_matmul_f_rows<WT, 4, LANES>(W, xl, y, r, n0, N, M, K, lane0);
-    else if (V == 2) bx_matmul_f_rows<WT, 2, LANES>(W, xl, y, r, n0, N, M, K, lane0);
-    else bx_matmul_f_rows<WT, 1, LANES>(W, xl, y, r, n0, N, M, K, lane0);
+__device__ __noinline__ void bx_matmul_f_v(int V, const unsigned char* W, const float* xl, float* y, int n0,
+                                              int N, int M, int m0, int K, int lane, int lane0) {
+    if (V == 8) bx_matmul_f_rows<WT, (WT == BX_F32 ? 4 : 8), LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else if (V == 4) bx_matmul_f_rows<WT, 4, LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else if (V == 2) bx_matmul_f_rows<WT, 2, LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else bx_matmul_f_rows<WT, 1, LANES>(W, xl, y, n0, N, M, m0, K, lane, lane0);
 }
 
 // The shard's lane count as a template argument, so the full warp's code is unchanged.
 template <int WT>
-__device__ __forceinline__ void bx_matmul_f_t(int V, const unsigned char* W, const float* xl, float* y, const float* r,
-                                              int n0, int N, int M, int K, int lanes, int lane0) {
-    int vl = V | lane0 << 8;
-    if (lanes == 32) bx_matmul_f_v<WT, 32>(vl, W, xl, y, r, n0, N, M, K);
-    else if (lanes == 16) bx_matmul_f_v<WT, 16>(vl, W, xl, y, r, n0, N, M, K);
-    else if (lanes == 8) bx_matmul_f_v<WT, 8>(vl, W, xl, y, r, n0, N, M, K);
-    else bx_matmul_f_v<WT, 4>(vl, W, xl, y, r, n0, N, M, K);
+__device__ __forceinline__ void bx_matmul_f_t(int V, const unsigned char* W, const float* xl, float* y, int n0,
+                                              int N, int M, int m0, int K, int lane, int lanes, int lane0) {
+    if (lanes == 32) bx_matmul_f_v<WT, 32>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else if (lanes == 16) bx_matmul_f_v<WT, 16>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else if (lanes == 8) bx_matmul_f_v<WT, 8>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
+    else bx_matmul_f_v<WT, 4>(V, W, xl, y, n0, N, M, m0, K, lane, lane0);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * MF_WARPS, MF_MINB)
 matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
          const unsigned char* __restrict__ W2, float* __restrict__ y0, float* __restrict__ y1,
-         float* __restrict__ y2, const float* __restrict__ r0, int N0, int N1, int N2, int wtype, int V,
-         const float* __restrict__ xl, int M, int K, int lanes, int lane0) {
+         float* __restrict__ y2, int N0, int N1, int N2, int wtype, int V, const float* __restrict__ xl, int M,
+         int K, int lanes, int lane0) {
+    int lane = threadIdx.x & 31;
     int w = blockIdx.y * MF_WARPS + (threadIdx.x >> 5);  // warp index over the matrices' warps
     int per = MF_ROWS * (32 / lanes);                     // rows per warp
     int w0 = (N0 + per - 1) / per, w1 = (N1 + per - 1) / per, w2 = (N2 + per - 1) / per;
     const unsigned char* W = W0;
     float* y = y0;
-    const float* r = r0;
     int N = N0;
     if (w >= w0) {
         w -= w0;
-        W = W1; y = y1; r = nullptr; N = N1;
+        W = W1; y = y1; N = N1;
         if (w >= w1) {
             w -= w1;
             W = W2; y = y2; N = N2;
             if (w >= w2) return;  // uniform per warp
         }
     }
-    if (wtype == BX_F32) bx_matmul_f_t<BX_F32>(V, W, xl, y, r, w * per, N, M, K, lanes, lane0);
-    else if (wtype == BX_F16) bx_matmul_f_t<BX_F16>(V, W, xl, y, r, w * per, N, M, K, lanes, lane0);
-    else bx_matmul_f_t<BX_BF16>(V, W, xl, y, r, w * per, N, M, K, lanes, lane0);
+    int m0 = blockIdx.x * MQ_TM;
+    if (wtype == BX_F32) bx_matmul_f_t<BX_F32>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
+    else if (wtype == BX_F16) bx_matmul_f_t<BX_F16>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
+    else bx_matmul_f_t<BX_BF16>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
 }

@@ -363,10 +363,9 @@ class CudaBackend:
         self.k["lane_major"](((m * k + 255) // 256,), (256,), (x, out, np.int32(m), np.int32(k), np.int32(v)))
         return out
 
-    def launch_matmul_f(self, xl, names, residual=None):
+    def launch_matmul_f(self, xl, names):
         """Float-weight products of one lane-major input with 1-3 matrices of one type and K
-        (or one row-parallel shard); list of fp32 [M, N_i]. ``residual`` fp32 [M, N]
-        (one whole matrix only) is added to the product in the epilogue."""
+        (or one row-parallel shard); list of fp32 [M, N_i]."""
         cp = self.cp
         ms, rows = self._fused(names)
         m, k = xl.shape
@@ -375,13 +374,12 @@ class CudaBackend:
         _check(len({w.qtype for w in ms}) == 1 and w0.qtype in FLOAT_TYPES, "matmul_f: one float weight type")
         _check(w0.lanes in (4, 8, 16, 32) and w0.lane0 % w0.lanes == 0 and w0.lane0 + w0.lanes <= WARP
                and w0.data.shape == (w0.rows, w0.lanes * (k // WARP)), f"matmul_f {names}: lane shard")
-        r = self._residual(residual, ms, m)
         ys = [cp.empty((m, w.rows), cp.float32) for w in ms]
         pad = 3 - len(ms)
         ws = [w.data for w in ms] + [w0.data] * pad
         yy = ys + [ys[0]] * pad
         self.k["matmul_f"](self._matmul_grid(m, rows, MF_WARPS, MF_ROWS * (WARP // w0.lanes)), (32 * MF_WARPS,),
-                           (*ws, *yy, r, *(np.int32(n) for n in rows), np.int32(QTYPE_IDS[w0.qtype]),
+                           (*ws, *yy, *(np.int32(n) for n in rows), np.int32(QTYPE_IDS[w0.qtype]),
                             np.int32(lane_width(k, ESIZE[w0.qtype])), xl, np.int32(m), np.int32(k),
                             np.int32(w0.lanes), np.int32(w0.lane0)))
         return ys
@@ -584,6 +582,10 @@ class CudaBackend:
         """A producer's output ``y`` written with output argument ``v``: :class:`LaneMajor` when v > 0."""
         return LaneMajor(y, v) if v > 0 else y
 
+    def _matmul_f(self, xl, names, residual):
+        ys = self.launch_matmul_f(xl, list(names))
+        return ys if residual is None else [self.launch_residual_add(residual, ys[0])]
+
     def rms_norm(self, x, name, feeds=()):
         """RMSNorm; written lane-major when every product in ``feeds`` has float weights,
         as q8 codes when every one has quantized weights."""
@@ -603,14 +605,16 @@ class CudaBackend:
 
     def linear_residual(self, x, h, name):
         """``x + h @ W.T`` for the one matrix ``name``: x fp32 ``[M, N]`` (the residual
-        stream), h as :meth:`linears` takes it; fp32 ``[M, N]``. The add is fused into
-        the product's epilogue (the twin of reference.residual_add after the product)."""
+        stream), h as :meth:`linears` takes it; fp32 ``[M, N]``. For quantized weights
+        the add is fused into matmul_q's epilogue (the twin of reference.residual_add
+        after the product); float weights take residual_add after matmul_f (fused,
+        matmul_f measured 5-8 % slower at batch 1: docs/benchmarks.md)."""
         return self._linears(h, (name,), self.cp.ascontiguousarray(x))[0]
 
     def _linears(self, x, names, residual=None):
         if isinstance(x, LaneMajor):
             _check(self._feed_width(names) == x.v, f"lane-major input of width {x.v} does not match {names}")
-            return self.launch_matmul_f(x.data, list(names), residual)
+            return self._matmul_f(x.data, names, residual)
         if isinstance(x, Q8):
             _check(self._feed_output(names) == Q8_OUT, f"q8 input for {names}")
             return self.launch_matmul_q(x, list(names), residual)
@@ -625,8 +629,8 @@ class CudaBackend:
             if key == "q":
                 ys = self.launch_matmul_q(self.launch_quantize_q8(x), [names[i] for i in idx], residual)
             else:
-                ys = self.launch_matmul_f(self.launch_lane_major(x, lane_width(k, ESIZE[key])),
-                                          [names[i] for i in idx], residual)
+                ys = self._matmul_f(self.launch_lane_major(x, lane_width(k, ESIZE[key])), [names[i] for i in idx],
+                                    residual)
             for i, y in zip(idx, ys):
                 out[i] = y
         return out

@@ -98,7 +98,9 @@ def time_variant(cp, kernel, fns, params, ns, k, qtype, x, wsets):
                 np.int32(nb), np.int32(split))
 
     def launch(ws):
-        fn(grid, block, (*ws, *[ws[0]] * pad, *ys, *[ys[0]] * pad, *(np.int32(n) for n in ns + [0] * pad), *tail),
+        residual = () if kernel == "matmul_f" else (None,)  # matmul_q's residual: none
+        fn(grid, block, (*ws, *[ws[0]] * pad, *ys, *[ys[0]] * pad, *residual, *(np.int32(n) for n in ns + [0] * pad),
+                         *tail),
            shared_mem=smem)
 
     launch(wsets[0])
