@@ -403,10 +403,10 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 #define MF_ROWS 2    // output rows per warp (node/backend_cuda.py MF_ROWS)
 #endif
 #ifndef MF_BYTES
-#define MF_BYTES 32  // weight bytes in flight per lane and row
+#define MF_BYTES 16  // weight bytes in flight per lane and row
 #endif
 #ifndef MF_MINB
-#define MF_MINB 3    // __launch_bounds__ minimum blocks per SM (<= 80 registers)
+#define MF_MINB 4    // __launch_bounds__ minimum blocks per SM (<= 64 registers)
 #endif
 
 template <int WT, int V>
@@ -522,7 +522,7 @@ __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict
 }
 
 // Not inlined: with every (type, lanes) body inlined into one kernel the
-// register allocator spills; as calls each body gets the 80 registers alone.
+// register allocator spills; as calls each body gets the registers alone.
 template <int WT, int LANES>
 __device__ __noinline__ void bx_matmul_f_v(int V, const unsigned char* W, const float* xl, float* y, int n0,
                                               int N, int M, int m0, int K, int lane, int lane0) {
