@@ -29,7 +29,8 @@ DEFAULT_PIN = "NVIDIA H200"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.cu", "residual.cu",
                 "embed.cu", "sampler.cu", "tp.cu")
-MQ_TM, MF_WARPS = 8, 8  # tokens and warps per block of matmul_f (cuda/matmul.cu)
+# Launch geometry mirrored from cuda/matmul.cu (tests/test_kernels_static.py checks that they agree)
+MQ_TM, MF_WARPS = 8, 8  # tokens and warps per block of matmul_f
 MQ_ROWS, MF_ROWS = 16, 2  # output rows per tile of matmul_q (the MMA's M) / per warp of matmul_f
 MQ_NARROW = 128  # matmul_q launches of fewer row tiles than this split K over 8 warps per tile, others over 4
 ESIZE = {"F32": 4, "F16": 2, "BF16": 2}

@@ -51,6 +51,24 @@ def test_every_kernel_file_is_loaded():
     assert on_disk == sorted(KERNEL_FILES)
 
 
+def _define(name: str, file: str) -> int:
+    """The integer a kernel source #defines (the default of an #ifndef-guarded tile constant)."""
+    with open(os.path.join(CUDA, file)) as f:
+        found = re.findall(rf"^#define {name} (\d+)\b", f.read(), re.M)
+    assert len(found) == 1, (name, file, found)
+    return int(found[0])
+
+
+def test_launch_constants_mirror_the_sources():
+    """The launch geometry node/backend_cuda.py mirrors by hand equals the kernels' #defines."""
+    import node.backend_cuda as bc
+    from node.reference import SPLIT_KV
+    for name, file, value in (("MQ_TM", "matmul.cu", bc.MQ_TM), ("MQ_ROWS", "matmul.cu", bc.MQ_ROWS),
+                              ("MF_WARPS", "matmul.cu", bc.MF_WARPS), ("MF_ROWS", "matmul.cu", bc.MF_ROWS),
+                              ("SPLIT_KV", "common.cuh", SPLIT_KV)):
+        assert _define(name, file) == value, f"{file} {name} = {_define(name, file)}, Python has {value}"
+
+
 @pytest.mark.parametrize("name", sorted(n for n in os.listdir(CUDA) if n.endswith((".cu", ".cuh"))))
 def test_no_atomics_in_source(name):
     with open(os.path.join(CUDA, name)) as f:
