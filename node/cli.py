@@ -32,6 +32,24 @@ def _passphrase(args) -> bytes | None:
     return env.encode() if env else None
 
 
+def _check_replaceable(path: str, args) -> None:
+    """Refuse an output path that is not a regular file (a device, FIFO, folder or
+    symlink would be replaced by a file) or that names the signing key or its
+    passphrase file. Raises :class:`RequestError`."""
+    import stat
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise RequestError(f"cannot write the attestation {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise RequestError(f"refusing to replace {path}: it is not a regular file")
+    for flag, other in (("--key", args.key), ("--passphrase-file", getattr(args, "passphrase_file", None))):
+        if other and os.path.exists(other) and os.path.samefile(path, other):
+            raise RequestError(f"refusing to replace {path}: it is the {flag} file")
+
+
 def resolve_device(name: str) -> str:
     """``auto`` -> ``cuda`` when CuPy sees a GPU, else ``cpu``."""
     if name != "auto":
@@ -151,6 +169,8 @@ def cmd_run(args) -> int:
     folder = os.path.dirname(os.path.abspath(args.attestation)) if args.attestation else os.getcwd()
     if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):   # before generating, not after
         raise RequestError(f"cannot write the attestation: {folder} is not a writable folder")
+    if args.attestation:
+        _check_replaceable(args.attestation, args)
     key = keys.load_private(args.key, _passphrase(args))
     if args.chat is not None:
         try:   # a JSON list is the messages; any other text is one user message
@@ -170,6 +190,7 @@ def cmd_run(args) -> int:
     payload = build_payload(res, engine, keys.public_raw(key))
     blob = seal(payload, key)
     path = f"{res.digest.hex()}.bxa" if args.attestation is None else args.attestation
+    _check_replaceable(path, args)
     try:
         atomic_write(path, blob)
     except OSError as e:
@@ -290,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    if sys.stdout is None or sys.stderr is None:   # started with a standard stream closed (`>&-`)
+        if sys.stderr is not None:
+            print("bitexact: error: standard output is closed", file=sys.stderr)
+        return EXIT_INPUT
     args = build_parser().parse_args(argv)
     try:
         code = args.fn(args)
@@ -301,6 +326,12 @@ def main(argv=None) -> int:
     except BitexactError as e:
         print(f"bitexact: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:   # commands turn the file errors they expect into BitexactError
+        where = f"cannot access {e.filename}" if e.filename else "cannot write to standard output"
+        print(f"bitexact: error: {where}: {e.strerror or e}", file=sys.stderr)
+        if not e.filename:   # what stdout still buffers must not fail again at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_INPUT
     except KeyboardInterrupt:
         print("bitexact: interrupted", file=sys.stderr)
         return 130

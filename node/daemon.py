@@ -212,6 +212,8 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"the request body is larger than {max_body_bytes} bytes") from None
+        except web.RequestPayloadError as e:   # e.g. a Content-Encoding whose bytes do not decode
+            raise ApiError(400, f"the request body could not be read: {e}") from None
         try:
             return json.loads(raw)
         except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, too deep, too long an integer

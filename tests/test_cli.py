@@ -268,6 +268,31 @@ def test_run_with_explicit_attestation_path_writes_nothing_on_failure(art, cwd):
     assert listing(cwd) == []
 
 
+@pytest.mark.parametrize("target", ["key", "passphrase", "fifo", "folder", "symlink"])
+def test_run_refuses_to_replace_what_is_not_a_plain_output_file(enc_key, tmp_path, cwd, target):
+    """--attestation never replaces the signing key, its passphrase file, a FIFO,
+    a folder or a symlink; the refusal comes before the model loads and leaves
+    the target as it was."""
+    key, pw = str(enc_key / "enc.pem"), str(enc_key / "pass.txt")
+    path = {"key": key, "passphrase": pw, "fifo": str(tmp_path / "fifo"), "folder": str(tmp_path / "dir"),
+            "symlink": str(tmp_path / "link")}[target]
+    if target == "fifo":
+        os.mkfifo(path)
+    elif target == "folder":
+        os.mkdir(path)
+    elif target == "symlink":
+        os.symlink(key, path)
+    before = os.lstat(path)
+    data = open(key, "rb").read()
+    p = bx(cwd, "run", "--key", key, "--passphrase-file", pw, "--prompt", "hi", "--attestation", path,
+           "--device", "cpu")
+    msg = assert_input_error(p)
+    assert "refusing to replace" in msg and ("--key" in msg if target == "key" else True), msg
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode) and open(key, "rb").read() == data
+    assert listing(cwd) == []
+
+
 def test_run_synthetic_model_without_vocab(art, tmp_path, cwd):
     model = write_model(str(tmp_path / "syn.gguf"), shape=(64, 2, 4, 2, 96, 256), qtype="Q8_0")
     p = bx(cwd, "run", "--key", art.key, "--prompt", "hi", "--model", model, "--max-tokens", "2",
@@ -278,6 +303,20 @@ def test_run_synthetic_model_without_vocab(art, tmp_path, cwd):
 
 # --------------------------------------------------------------------------
 # verify: the real attestation
+
+@pytest.mark.parametrize("stdout", ["full", "closed"])
+def test_an_unwritable_stdout_is_one_error_line(art, stdout):
+    """stdout on a full device (`> /dev/full`) or closed (`>&-`): one error line, exit 2."""
+    import subprocess
+    from test_attest import cli_env
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "node.cli", "inspect", art.bxa], env=cli_env(),
+                           stdout=full if stdout == "full" else None, stderr=subprocess.PIPE, timeout=120,
+                           preexec_fn=(lambda: os.close(1)) if stdout == "closed" else None)
+    err = p.stderr.decode()
+    assert p.returncode == 2 and err.count("\n") == 1 and err.startswith("bitexact: error: "), err
+    assert ("No space left" in err) if stdout == "full" else ("closed" in err), err
+
 
 def test_a_closed_stdout_pipe_is_exit_141_without_a_traceback(art):
     """`bitexact inspect --json A | head -0`: the reader is gone before the output."""

@@ -253,6 +253,17 @@ def test_declared_oversize_body_is_refused_before_it_arrives(daemon):
     assert head.startswith(b"HTTP/1.1 413"), head
 
 
+def test_undecodable_content_encoding_is_a_400(daemon):
+    """A body whose declared Content-Encoding does not decode is bad input (400 JSON), not a 500."""
+    req = urllib.request.Request(daemon.url + "/v1/completions", data=b"abcde",
+                                 headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    body = json.loads(e.value.read())
+    assert e.value.code == 400 and "could not be read" in body["error"]["message"], body
+    assert daemon.post_raw("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())[0] == 200
+
+
 @pytest.mark.parametrize("method,path,status", [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405),
                                                 ("POST", "/health", 405)])
 def test_unknown_routes_get_openai_style_json(daemon, method, path, status):
