@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 from .errors import BitexactError, RequestError
@@ -310,12 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     if sys.stdout is None or sys.stderr is None:   # started with a standard stream closed (`>&-`)
         if sys.stderr is not None:
             print("bitexact: error: standard output is closed", file=sys.stderr)
         return EXIT_INPUT
     args = build_parser().parse_args(argv)
+    if args.fn is not cmd_serve:   # serve drains on SIGTERM itself; the others stop as on SIGINT
+        signal.signal(signal.SIGTERM, _interrupted)
     try:
         code = args.fn(args)
         sys.stdout.flush()   # inside the try: a closed pipe is reported here, not at interpreter exit

@@ -114,8 +114,10 @@ def load_model(path: str) -> Model:
     """
     from gguf import GGUFReader
 
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ModelError(f"model file not found: {path}")
+    if not os.path.isfile(path):
+        raise ModelError(f"model path is not a regular file: {path}")
     try:
         reader = GGUFReader(path, "r")
     except Exception as e:  # gguf raises ValueError/struct.error/OSError on bad files

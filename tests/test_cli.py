@@ -203,6 +203,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--chat", '[{"role": "user", "content": 1}]'], "chat message"),
     (["--chat", "[" * 100000], "context holds"),        # not JSON: one user message, far too long
     (["--prompt", "hi", "--model", "/no/such/model.gguf"], "not found"),
+    (["--prompt", "hi", "--model", "/"], "not a regular file"),
+    (["--prompt", "hi", "--model", "/dev/null"], "not a regular file"),
     (["--prompt", "hi", "--model", "NOT_GGUF"], "GGUF"),
     (["--prompt", "hi", "--model", "EMPTY_FILE"], "GGUF"),
     (["--prompt", "hi", "--temperature", "warm"], "--temperature"),
@@ -290,6 +292,22 @@ def test_run_refuses_to_replace_what_is_not_a_plain_output_file(enc_key, tmp_pat
     assert "refusing to replace" in msg and ("--key" in msg if target == "key" else True), msg
     after = os.lstat(path)
     assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode) and open(key, "rb").read() == data
+    assert listing(cwd) == []
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_run_interrupted_is_exit_130_and_writes_nothing(art, cwd, sig):
+    import signal
+    import subprocess
+    import time
+    from test_attest import cli_env
+    p = subprocess.Popen([sys.executable, "-m", "node.cli", "run", "--key", art.key, "--prompt", "Count to 500:",
+                          "--max-tokens", "2000", "--device", "cpu"], cwd=cwd, env=cli_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(6)                       # past the imports, into the model load or the decode
+    p.send_signal(getattr(signal, sig))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and err.decode() == "bitexact: interrupted\n", (p.returncode, err)
     assert listing(cwd) == []
 
 
