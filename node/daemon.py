@@ -279,10 +279,13 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
             return web.json_response({"id": rid, "object": obj, "created": created, "model": node.model_id,
                                       "choices": [choice], "usage": usage, "attestation": att},
                                      headers=_headers(att))
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError) as e:
             node.scheduler.cancel(job)
             node.m_requests.labels("disconnected").inc()
-            raise
+            if resp is None or isinstance(e, asyncio.CancelledError):
+                raise
+            log.warning("%s: the client went away mid-stream; its job is cancelled", rid)
+            return resp   # aiohttp's final write_eof meets the closed connection and stops quietly
         except BitexactError as e:
             node.m_requests.labels("failed").inc()
             if resp is not None:

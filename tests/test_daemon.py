@@ -337,6 +337,25 @@ def test_client_disconnect_mid_stream_frees_sequence(daemon, solo):
     assert send(daemon, "prompt", "Once upon a time", 3) == solo("prompt", "Once upon a time", 3)
 
 
+def test_client_disconnect_mid_stream_logs_one_line(key, tmp_path):
+    """A client that goes away mid-stream is one log line, not a traceback."""
+    d = Daemon(key, str(tmp_path / "data"))
+    try:
+        stream = d.client.completions.create(model="m", prompt="Tell me a very long story:", max_tokens=400,
+                                             stream=True)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        stream.close()
+        end = time.time() + 30
+        while time.time() < end and json.loads(d.get("/health").read())["active"]:
+            time.sleep(0.2)
+    finally:
+        assert d.stop() == 0
+    err = d.proc.stderr.read()
+    assert "went away mid-stream" in err and "Traceback" not in err, err[-3000:]
+
+
 def test_sigkill_then_restart_keeps_every_returned_attestation(key, tmp_path):
     data = str(tmp_path / "data")
     d = Daemon(key, data)
