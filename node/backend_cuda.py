@@ -295,6 +295,17 @@ class CudaBackend:
         cp = self.cp
         return Q8(cp.empty((m, k), cp.int8), cp.empty((m, k // 32), cp.float32), cp.empty((m, k // 32), cp.int32))
 
+    def _producer_out(self, shape, v):
+        """Output of a producer kernel (rms_norm, attention_combine, silu_gate) of fp32
+        result ``shape`` written with output argument ``v``: the :class:`Q8` arrays
+        (v = Q8_OUT) or one fp32 array, and the kernel's four output pointers
+        (y, q, qd, qa), of which it writes y or the codes."""
+        if v == Q8_OUT:
+            out = self._q8_buffers(int(np.prod(shape[:-1])), shape[-1])
+            return out, (out.q, *out)
+        out = self.cp.empty(shape, self.cp.float32)
+        return out, (out,) * 4
+
     def _fused(self, names):
         """Matrices of one fused launch: at most three with one K and one shard of it;
         returns (matrices, their N padded to three)."""
@@ -398,8 +409,7 @@ class CudaBackend:
         self._check_width(k, v, "rms_norm")
         smem = (2 * k + 32) * 4
         _check(smem <= MAX_SMEM, f"rms_norm K={k} exceeds shared memory")
-        y = self._q8_buffers(m, k) if v == Q8_OUT else cp.empty_like(x)
-        outs = (y.q, *y) if v == Q8_OUT else (y,) * 4  # (y, q, qd, qa); the kernel writes y or the codes
+        y, outs = self._producer_out(x.shape, v)
         self.k["rms_norm"]((m,), (self.rn_threads,),
                            (x, w, *outs, np.int32(m), np.int32(k), np.float32(eps), np.int32(v)), shared_mem=smem)
         return y
@@ -440,8 +450,7 @@ class CudaBackend:
                                   shared_mem=smem)
         self._check_width(h * hd, v, "attention")
         _check(v != Q8_OUT or hd % 32 == 0, "attention: q8 output needs head_dim % 32 == 0")
-        out = self._q8_buffers(t, h * hd) if v == Q8_OUT else cp.empty((t, h * hd), cp.float32)
-        outs = (out.q, *out) if v == Q8_OUT else (out,) * 4  # (out, q, qd, qa); the kernel writes out or the codes
+        out, outs = self._producer_out((t, h * hd), v)
         self.k["attention_combine"]((t, h), (hd,), (pm, pl, po, self._qpos, *outs, np.int32(t), np.int32(h),
                                                      np.int32(hd), np.int32(ms), np.int32(v)))
         return out
@@ -452,8 +461,7 @@ class CudaBackend:
         _check(g.shape == u.shape and g.flags.c_contiguous and u.flags.c_contiguous, "silu_gate shapes")
         k = g.shape[-1]
         self._check_width(k, v, "silu_gate")
-        out = self._q8_buffers(g.size // k, k) if v == Q8_OUT else self.cp.empty_like(g)
-        outs = (out.q, *out) if v == Q8_OUT else (out,) * 4  # (out, q, qd, qa); the kernel writes out or the codes
+        out, outs = self._producer_out(g.shape, v)
         self.k["silu_gate"](((g.size + 255) // 256,), (256,),
                             (g, u, *outs, np.int64(g.size), np.int32(k), np.int32(v)))
         return out

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import stat
 import sys
 
 from .errors import BitexactError, RequestError
@@ -37,7 +38,6 @@ def _check_replaceable(path: str, args) -> None:
     """Refuse an output path that is not a regular file (a device, FIFO, folder or
     symlink would be replaced by a file) or that names the signing key or its
     passphrase file. Raises :class:`RequestError`."""
-    import stat
     try:
         st = os.lstat(path)
     except FileNotFoundError:
