@@ -507,15 +507,18 @@ class CudaBackend:
         self.k["sample_keys"](((r * v + 255) // 256,), (256,), (logits, temps, keys, bad, np.int32(r), np.int32(v)))
         return keys, bad
 
-    def launch_sample_sorted(self, logits, keys, params, positions):
+    def launch_sample_sorted(self, logits, keys, temps, params, positions):
         """Draws of node/sampler.py sample_sorted for each row of fp32 logits ``[R, V]``
-        and its ascending keys ``[R, V]``; ``params``: R :class:`SamplingParams` with
-        temperature > 0; ``positions``: R sequence positions (the PRNG counters).
-        Returns int32 token ids ``[R]`` (device)."""
+        and its ascending keys ``[R, V]``; ``temps``: the rows' fp32 temperatures ``[R]``
+        (device, as given to :meth:`launch_sample_keys`); ``params``: R
+        :class:`SamplingParams` with temperature > 0 (top-k, top-p, seed); ``positions``:
+        R sequence positions (the PRNG counters). Returns int32 token ids ``[R]`` (device)."""
         cp = self.cp
         r, v = logits.shape
         _check(logits.dtype == cp.float32 and logits.flags.c_contiguous, "sample_sorted logits fp32 [R, V]")
         _check(keys.shape == (r, v) and keys.dtype == cp.uint64 and keys.flags.c_contiguous, "sample_sorted keys")
+        _check(temps.shape == (r,) and temps.dtype == cp.float32 and temps.flags.c_contiguous,
+               "sample_sorted temps fp32 [R]")
         _check(len(params) == r == len(positions) and all(p.temperature > 0 for p in params),
                "sample_sorted: one non-greedy SamplingParams and one position per row")
 
@@ -525,7 +528,7 @@ class CudaBackend:
         seed = np.array([(p.seed & 0xFFFFFFFF, p.seed >> 32) for p in params], np.uint32)
         out = cp.empty(r, cp.int32)
         self.k["sample_sorted"]((r,), (256,), (
-            logits, keys, col([p.temperature for p in params], np.float32), col([p.top_k for p in params], np.int32),
+            logits, keys, temps, col([p.top_k for p in params], np.int32),
             col([p.top_p for p in params], np.float32), cp.asarray(seed),
             col([q & 0xFFFFFFFF for q in positions], np.uint32), cp.empty((r, v), cp.float32), out,
             np.int32(r), np.int32(v)))
@@ -539,8 +542,9 @@ class CudaBackend:
         Raises :class:`NumericFault` when ``logits / temperature`` of a row is not finite.
         """
         cp = self.cp
-        keys, bad = self.launch_sample_keys(logits, cp.asarray(np.array([p.temperature for p in params], np.float32)))
-        out = self.launch_sample_sorted(logits, cp.sort(keys, axis=1), params, positions)
+        temps = cp.asarray(np.array([p.temperature for p in params], np.float32))
+        keys, bad = self.launch_sample_keys(logits, temps)
+        out = self.launch_sample_sorted(logits, cp.sort(keys, axis=1), temps, params, positions)
         bad = self.to_host(bad)
         if bad.any():   # the CPU engine's message (node/sampler.py sample_keys)
             raise NumericFault(f"logits / temperature {params[int(bad.argmax())].temperature} overflow fp32")
