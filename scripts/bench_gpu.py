@@ -277,7 +277,8 @@ def bench_torch_graphs(hp, steps: int = 32, batches=BATCHES, tp: int = 1) -> dic
         torch.cuda.synchronize()
         out["decode_tok_s"][b] = round(b * steps / (time.perf_counter() - t0), 1)
         out.setdefault("decode_gpu_ms_step", {})[b] = round(start.elapsed_time(end) / steps, 3)
-        del g, kc, vc
+        del g, kc, vc, step, logits
+    del layers, emb, head  # before empty_cache, so the next section sees the memory free
     torch.cuda.empty_cache()
     return out
 
