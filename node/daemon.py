@@ -35,6 +35,22 @@ from .store import AttestationStore
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("bitexact.daemon")
+
+
+class OneLineErrors(logging.Filter):
+    """Log a record's exception as one line, without its traceback: aiohttp's server
+    logs one for every malformed HTTP request its parser refuses and for a client
+    that leaves while its body is read, which are bad input, not bugs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            e = record.exc_info[1]
+            record.msg, record.args = "%s: %s: %s", (record.getMessage(), type(e).__name__, " ".join(str(e).split()))
+            record.exc_info = record.exc_text = None
+        return True
+
+
+ONE_LINE_ERRORS = OneLineErrors()
 # OpenAI request fields this node does not implement, with their neutral value
 # (absent, null, false, 0, empty or this value is accepted; anything else is a 400).
 UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": None, "suffix": None, "best_of": 1,
@@ -111,10 +127,18 @@ class Node:
 
     # ---- request parsing -------------------------------------------------
     def parse(self, body, chat: bool) -> dict:
-        """Validate an OpenAI request body; returns the attested request record."""
+        """Validate an OpenAI request body; returns the attested request record.
+
+        ``model`` may be absent or null, ``self.model_id`` (what ``/v1/models``
+        lists) or the model file's SHA-256 (64 lowercase hex, as in ``/v1/node``
+        and the attestation); any other string is a 404 ``model_not_found``.
+        Raises :class:`ApiError` (400 for a bad field, ``param`` naming it)."""
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        _field(body, "model", str, what="a string")
+        model = _field(body, "model", str, what="a string")
+        if model is not None and model not in (self.model_id, self.engine.model.sha256):
+            raise ApiError(404, f"the model {model!r} does not exist on this node; it serves {self.model_id!r}",
+                           param="model", code="model_not_found")
         if _field(body, "n", int, 1, what="an integer") != 1:
             raise ApiError(400, "only n=1 is supported", param="n")
         for name, neutral in UNSUPPORTED.items():
@@ -202,6 +226,7 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
             log.exception("request failed")
             return ApiError(500, "internal error", "server_error").response()
 
+    logging.getLogger("aiohttp.server").addFilter(ONE_LINE_ERRORS)     # once: addFilter skips a repeat
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app["node"] = node
 

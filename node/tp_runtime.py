@@ -27,10 +27,9 @@ from multiprocessing.connection import wait
 
 import numpy as np
 
-from .engine import Engine, default_n_ctx
+from .engine import Engine, default_n_ctx, draw_rows
 from .errors import BitexactError
 from .gguf_model import Model, load_model
-from .sampler import sample_rows
 from .tp import ShardPlan, TpCpuBackend, check_degree
 
 SLOT_FLOATS = 1 << 20   # fp32 values each rank can publish per round (4 MiB)
@@ -385,9 +384,13 @@ class TpEngine:
         return out
 
     def sample(self, picks, logits) -> list[int]:
-        """Token ids for rows of the last :meth:`forward`, drawn on the host
-        (node/sampler.py ``sample_rows``; see :meth:`node.engine.Engine.sample`)."""
-        return sample_rows(logits, picks)
+        """Token ids for rows of the last :meth:`forward` (see
+        :meth:`node.engine.Engine.sample`). On GPU ranks the seeded rows are
+        drawn on the GPUs from the step's gathered device logits, which every
+        rank holds alike (:meth:`node.engine.Engine.sample_on_device`; rank 0's
+        ids are returned); greedy rows, and every row on CPU ranks, on the host."""
+        cuda = self.device == "cuda"
+        return draw_rows(picks, logits, (lambda seeded: self._call("sample_on_device", seeded)) if cuda else None)
 
     def close(self) -> None:
         """Stop the rank processes and free the shared memory (idempotent)."""

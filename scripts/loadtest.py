@@ -37,15 +37,15 @@ def requests_pool(rng: random.Random, max_tokens: int) -> list[dict]:
     return pool
 
 
-def call(client, r: dict) -> tuple[str, float]:
+def call(client, model: str, r: dict) -> tuple[str, float]:
     t0 = time.perf_counter()
     kw = {"max_tokens": r["max_tokens"], "temperature": r.get("temperature", 0.0)}
     if "seed" in r:
         kw["seed"] = r["seed"]
     if r["kind"] == "prompt":
-        out = client.completions.create(model="m", prompt=r["prompt"], **kw)
+        out = client.completions.create(model=model, prompt=r["prompt"], **kw)
     else:
-        out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": r["prompt"]}], **kw)
+        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": r["prompt"]}], **kw)
     return out.model_extra["attestation"]["output_digest"], time.perf_counter() - t0
 
 
@@ -97,11 +97,12 @@ def main() -> int:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
         rng = random.Random(args.seed)
         pool = requests_pool(rng, args.max_tokens)
-        solo = {i: call(client, r)[0] for i, r in enumerate(pool)}
+        model = client.models.list().data[0].id  # the one model the node serves
+        solo = {i: call(client, model, r)[0] for i, r in enumerate(pool)}
         picks = [rng.randrange(len(pool)) for _ in range(args.requests)]
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(args.concurrency) as ex:
-            results = list(ex.map(lambda i: call(client, pool[i]), picks))
+            results = list(ex.map(lambda i: call(client, model, pool[i]), picks))
         wall = time.perf_counter() - t0
         lat = sorted(r[1] for r in results)
         differ = sum(results[k][0] != solo[i] for k, i in enumerate(picks))

@@ -47,7 +47,8 @@ else:
     print("quickstart: bitexact serve did not answer /health within 60 s (see quickstart/serve.log)", file=sys.stderr)
     sys.exit(2)
 client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
-r = client.chat.completions.create(model="default", max_tokens=48,
+model = client.models.list().data[0].id  # the one model the node serves
+r = client.chat.completions.create(model=model, max_tokens=48,
                                    messages=[{"role": "user", "content": "Name three primary colors."}])
 att = r.model_extra["attestation"]
 print(r.choices[0].message.content)

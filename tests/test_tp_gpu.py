@@ -117,6 +117,35 @@ def test_tp_engine_on_gpus_equals_one_gpu_and_cpu(models, tmp_path, qtype):
             eng.close()
 
 
+def test_tp_engine_draws_seeded_rows_on_the_gpus(models):
+    """TpEngine.sample on GPU ranks: the seeded rows go to the ranks' GPU sampler
+    (the gathered device logits of the step: an eager prefill step, then
+    graph-replayed decode steps; picks out of row order, one greedy), and every
+    row's id equals node/sampler.py's on the returned logits."""
+    from node.sampler import SamplingParams, sample
+    from node.tp_runtime import TpEngine
+    _need(2)
+    eng = TpEngine(models["Q8_0"], 2, device="cuda", pin=None, kv_pages=64)
+    calls = []
+    call = eng._call
+    eng._call = lambda method, *a: (calls.append(method), call(method, *a))[1]
+    try:
+        rng = np.random.default_rng(8)
+        seqs = [eng.new_sequence() for _ in range(5)]
+        outs = eng.forward([(s, rng.integers(0, 300, 9 + i).tolist()) for i, s in enumerate(seqs)])
+        for step in range(4):
+            params = [SamplingParams(0.5 + 0.3 * i, (0, 1, 7, 0, 50)[i], (1.0, 0.9, 0.5, 0.2, 1.0)[i],
+                                     1000 * step + i) for i in range(5)]
+            params[2] = SamplingParams()
+            picks = [(i, params[i], 20 + step) for i in range(5)][::-1]
+            got = eng.sample(picks, outs)
+            assert got == [sample(outs[r], p, pos) for r, p, pos in picks]
+            outs = eng.forward([(s, [t]) for s, t in zip(seqs, got[::-1])])
+        assert calls.count("sample_on_device") == 4
+    finally:
+        eng.close()
+
+
 def _digests(eng, requests, rng, steps=4):
     """Greedy step-chain digest of each request, run in random batch compositions
     with random prefill chunks (a request's digest must not depend on them)."""
