@@ -24,6 +24,11 @@ class CpuBackend:
         self.hp = model.hparams
         self._weights: dict[str, object] = {}
         self._kv: dict[int, list[np.ndarray]] = {}
+        self.kv_heads = self._kv_heads()
+
+    def _kv_heads(self) -> int:
+        """KV heads the KV cache holds: all of the model's (a tensor-parallel rank: its own)."""
+        return self.hp.n_head_kv
 
     # ---- weights -----------------------------------------------------------
     def _weight(self, name: str):
@@ -88,7 +93,7 @@ class CpuBackend:
     # ---- KV cache ----------------------------------------------------------
     def kv_alloc(self, seq: int) -> None:
         hp = self.hp
-        shape = (hp.n_layer, hp.n_head_kv, 64, hp.head_dim)
+        shape = (hp.n_layer, self.kv_heads, 64, hp.head_dim)
         self._kv[seq] = [np.zeros(shape, F32), np.zeros(shape, F32)]
 
     def kv_free(self, seq: int) -> None:

@@ -213,13 +213,14 @@ class CudaBackend:
                     raise GpuError(f"{name}: the CUDA engine needs float matrices with K % 32 == 0, got K={t.cols}")
                 self._mats[name] = self._mat(name, t)
             hp = self.hp
-            self.page_floats = hp.n_head_kv * SPLIT_KV * hp.head_dim
-            page_bytes = 2 * hp.n_layer * self.page_floats * 4
+            self.kv_heads = self._kv_heads()
+            self.page_floats = self.kv_heads * SPLIT_KV * hp.head_dim
+            page_bytes = max(1, 2 * hp.n_layer * self.page_floats * 4)     # a TP rank may hold no KV head
             if kv_pages is None:
                 free = cp.cuda.runtime.memGetInfo()[0]
                 kv_pages = self._agree_kv_pages(int(max(8, min(2048, 0.5 * free // page_bytes))))
             self.kv_pages = kv_pages
-            shape = (hp.n_layer, kv_pages, hp.n_head_kv, SPLIT_KV, hp.head_dim)
+            shape = (hp.n_layer, kv_pages, self.kv_heads, SPLIT_KV, hp.head_dim)
             self.kp = cp.empty(shape, cp.float32)
             self.vp = cp.empty(shape, cp.float32)
         except cp.cuda.memory.OutOfMemoryError as e:
@@ -233,6 +234,10 @@ class CudaBackend:
         self._entry = None
         self._last = None                 # device logits [R, n_vocab] of the last step (for sample_last)
         self._device_record = None
+
+    def _kv_heads(self) -> int:
+        """KV heads the KV cache pages hold: all of the model's (a tensor-parallel rank: its own)."""
+        return self.hp.n_head_kv
 
     def _agree_kv_pages(self, n: int) -> int:
         """KV pages to allocate when this GPU's free memory allows ``n`` (tensor-parallel
@@ -422,7 +427,7 @@ class CudaBackend:
         hkv = k.shape[1]
         _check(all(a.dtype == cp.float32 and a.flags.c_contiguous for a in (q, k, v, cos, sin))
                and k.shape == v.shape == (t, hkv, hd) and hd % 2 == 0 and cos.shape == sin.shape == (t, hd // 2)
-               and t == self._tok_page.size and hkv == self.hp.n_head_kv, "rope shapes")
+               and t == self._tok_page.size and hkv == self.kv_heads, "rope shapes")
         out = cp.empty_like(q)
         n = t * (h + hkv) * (hd // 2)
         self.k["rope"](((n + 255) // 256,), (256,), (q, k, v, cos, sin, out, self.kp[layer], self.vp[layer],
@@ -436,7 +441,7 @@ class CudaBackend:
         its :class:`Q8` codes."""
         cp = self.cp
         t, h, hd = q.shape
-        hkv = self.hp.n_head_kv
+        hkv = self.kv_heads
         _check(q.flags.c_contiguous and h % hkv == 0 and hd <= 1024 and t == self._qpos.size, "attention shapes")
         ms = self._max_splits
         pm = cp.empty((t, h, ms), cp.float32)

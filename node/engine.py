@@ -178,8 +178,8 @@ class Engine:
             qkv = (p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight")
             q, k, v = be.linears(be.rms_norm(x, p + "attn_norm.weight", qkv), qkv)
             o = p + "attn_output.weight"
-            att = be.attend(layer, q.reshape(m, hp.n_head, hp.head_dim), k.reshape(m, hp.n_head_kv, hp.head_dim),
-                            v.reshape(m, hp.n_head_kv, hp.head_dim), cos, sin, (o,))
+            hd = hp.head_dim   # heads: all of them, or a tensor-parallel rank's own (node/tp.py)
+            att = be.attend(layer, q.reshape(m, -1, hd), k.reshape(m, -1, hd), v.reshape(m, -1, hd), cos, sin, (o,))
             x = be.linear_residual(x, att, o)
             gu = (p + "ffn_gate.weight", p + "ffn_up.weight")
             g, u = be.linears(be.rms_norm(x, p + "ffn_norm.weight", gu), gu)

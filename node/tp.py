@@ -11,8 +11,12 @@ determinism contract (docs/determinism.md section 12):
   and the T partials, gathered, combine as the tree's top levels. No
   all-reduce: its order would follow NCCL's choice of algorithm.
 - Q/K/V and gate/up are column-parallel: a rank computes the rows its
-  row-parallel shard needs (its query heads and their KV heads; its FFN
-  features), full K, so each row is the TP-1 row.
+  row-parallel shard needs (its query heads, widened to whole KV-head groups,
+  and their KV heads; its FFN features), full K, so each row is the TP-1 row.
+  A rank process (node/tp_runtime.py, node/tp_gpu.py) keeps them local: it
+  attends over its own heads with a KV cache of its own KV heads, gates its
+  own features, and feeds its row-parallel shard from them, so only the
+  row-parallel partials and the logits are gathered.
 - the LM head is split by vocabulary; RMSNorm, RoPE and the residual stream
   are replicated.
 
@@ -59,8 +63,13 @@ def k_shards(k: int, quantized: bool, tp: int) -> list[tuple[int, int]]:
 class ShardPlan:
     """Which rows and K ranges each of ``tp`` ranks owns for a model.
 
-    ``heads[r]`` (query heads ``[h0, h1)``), ``ffn[r]`` (FFN features ``[a, b)``),
-    ``vocab[r]`` (LM-head rows ``[a, b)``), per layer where types differ.
+    ``heads[layer][r]`` (query heads ``[h0, h1)`` whose attention outputs are
+    rank ``r``'s K shard of the attention output), ``ffn[layer][r]`` (FFN
+    features ``[a, b)``), ``vocab[r]`` (LM-head rows ``[a, b)``).
+    ``attn_heads[r]``: the query heads ``[H0, H1)`` rank ``r`` attends over in
+    every layer, the union of its ``heads`` over the layers widened to whole
+    KV-head groups (GQA), so its KV cache holds KV heads ``[H0/G, H1/G)``
+    (``G = n_head / n_head_kv``) and each of its query heads reads its own.
     Raises :class:`ModelError` for a degree outside 1, 2, 4, 8 or a shard
     boundary inside a head.
     """
@@ -81,6 +90,24 @@ class ShardPlan:
             self.ffn[layer] = k_shards(d.cols, d.qtype not in FLOAT_TYPES, tp)
         per = -(-hp.n_vocab // tp)
         self.vocab = [(min(hp.n_vocab, r * per), min(hp.n_vocab, (r + 1) * per)) for r in range(tp)]
+        grp = hp.n_head // hp.n_head_kv
+        self.attn_heads = []
+        for r in range(tp):
+            own = [h for h in (self.heads[layer][r] for layer in range(hp.n_layer)) if h[1] > h[0]]
+            lo, hi = (min(a for a, _ in own), max(b for _, b in own)) if own else (0, 0)
+            self.attn_heads.append((lo // grp * grp, -(-hi // grp) * grp))
+
+    def kv_heads(self, rank: int) -> int:
+        """KV heads in rank ``rank``'s KV cache (those of its ``attn_heads``)."""
+        h0, h1 = self.attn_heads[rank]
+        return (h1 - h0) // (self.hp.n_head // self.hp.n_head_kv)
+
+    def attention_columns(self, layer: int, rank: int) -> tuple[int, int]:
+        """Columns ``[a, b)`` of rank ``rank``'s attention output (its ``attn_heads``, each
+        ``head_dim`` wide) that are its K shard of ``layer``'s attention output."""
+        (h0, h1), (a0, _) = self.heads[layer][rank], self.attn_heads[rank]
+        hd = self.hp.head_dim
+        return ((h0 - a0) * hd, (h1 - a0) * hd) if h1 > h0 else (0, 0)
 
     def spans(self, name: str) -> list[tuple[int, int]]:
         """Per rank: the K range ``[a, b)`` (elements) of row-parallel matrix
@@ -94,13 +121,13 @@ class ShardPlan:
         return self.column_rows(layer, kind.split("_")[-1], self.hp)
 
     def column_rows(self, layer: int, kind: str, hp) -> list[tuple[int, int]]:
-        """Rows ``[a, b)`` of the column-parallel matrix ``kind`` (q, k, v, gate, up) each rank computes."""
+        """Rows ``[a, b)`` of the column-parallel matrix ``kind`` (q, k, v, gate, up) each
+        rank computes: its ``attn_heads`` (q) and their KV heads (k, v), or its FFN features."""
         if kind == "q":
-            return [(h0 * hp.head_dim, h1 * hp.head_dim) for h0, h1 in self.heads[layer]]
+            return [(h0 * hp.head_dim, h1 * hp.head_dim) for h0, h1 in self.attn_heads]
         if kind in ("k", "v"):
             grp = hp.n_head // hp.n_head_kv
-            return [((h0 // grp) * hp.head_dim, (-(-h1 // grp)) * hp.head_dim) if h1 > h0 else (0, 0)
-                    for h0, h1 in self.heads[layer]]
+            return [(h0 // grp * hp.head_dim, h1 // grp * hp.head_dim) for h0, h1 in self.attn_heads]
         return self.ffn[layer]
 
 

@@ -11,9 +11,13 @@ NCCL, which only moves bytes (``ncclAllGather``; an all-reduce would add in
 an order NCCL picks from the message size and topology), and assembled on
 every rank (:func:`pack_pieces`, :func:`unpack_pieces`): column pieces at
 their rows, row-parallel partials by the ``tp_combine`` kernel (the tree's
-top levels). RMSNorm, RoPE, attention and
-the residual stream run on every rank alike, so every rank holds the same
-activations and its logits are the bytes of ``T = 1``.
+top levels). Column-parallel products stay on their rank: attention runs over
+the rank's ``attn_heads`` with KV cache pages of its own KV heads, the SiLU
+gate over its FFN features, and its row-parallel shard reads those
+activations (:class:`node.tp.ShardPlan`); so only the row-parallel partials
+and the logits are gathered. RMSNorm, RoPE and the residual stream run on
+every rank alike, so every rank holds the same residual stream and its
+logits are the bytes of ``T = 1``.
 
 Decode steps replay CUDA graphs as on one GPU; NCCL's all-gathers are
 captured in them (every rank captures and replays the same steps in the
@@ -132,6 +136,9 @@ class CudaRankBackend(CudaBackend):
             raise GpuError(f"tensor-parallel rank {rank}: NCCL could not start: {e}") from None
         super().__init__(model, **opts)
 
+    def _kv_heads(self) -> int:
+        return self.plan.kv_heads(self.rank)
+
     def _all_gather(self, send):
         """fp32 ``[count]`` from every rank -> fp32 ``[tp, count]`` in rank order (bytes only)."""
         recv = self.cp.empty((self.tp, send.size), self.cp.float32)
@@ -147,22 +154,47 @@ class CudaRankBackend(CudaBackend):
         return shard_mat(self, self.plan, self.rank, name, t)
 
     def linears(self, x, names):
-        """As :meth:`CudaBackend.linears`, each product computed as this rank's piece,
-        all-gathered and assembled (:func:`pack_pieces`, :func:`unpack_pieces`).
-        A row-parallel matrix comes alone."""
+        """As :meth:`CudaBackend.linears`, each product computed as this rank's piece:
+        column-parallel pieces stay local (fp32 ``[M, b - a]``, its rows); a row-parallel
+        product (alone) or the LM head is all-gathered and assembled (:func:`pack_pieces`,
+        :func:`unpack_pieces`)."""
         cp = self.cp
         m = (x.data if isinstance(x, LaneMajor) else x.q if isinstance(x, Q8) else x).shape[0]
         if any(n.endswith(ROW_PARALLEL) for n in names) and len(names) != 1:
             raise ValueError(f"a row-parallel product is computed alone, got {names}")
         live = [n for n in names if self._mats[n] is not None]
         own = dict(zip(live, super().linears(x, live))) if live else {}
+        if not names[0].endswith(ROW_PARALLEL) and names[0] != self.model.output.name:
+            return [own[n] if n in own else cp.zeros((m, 0), cp.float32) for n in names]
         recv = self._all_gather(pack_pieces(cp, self.plan, names, m, self.rank, own))
         return unpack_pieces(cp, self.plan, names, m, recv, self.launch_tp_combine)
 
+    def attend(self, layer, q, k, v, cos, sin, feeds=()):
+        """Attention over this rank's ``attn_heads`` (q fp32 ``[M, H_r, hd]``, k and v
+        ``[M, H_r / G, hd]``, stored in its own KV pages); returns the columns of its
+        K shard of the attention output, fp32 ``[M, b - a]``
+        (:meth:`node.tp.ShardPlan.attention_columns`)."""
+        cp = self.cp
+        a, b = self.plan.attention_columns(layer, self.rank)
+        if q.shape[1] == 0:
+            return cp.zeros((q.shape[0], 0), cp.float32)
+        return cp.ascontiguousarray(super().attend(layer, q, k, v, cos, sin)[:, a:b])
+
+    def silu_gate(self, g, u, feeds=()):
+        """SiLU gate of this rank's FFN features, fp32 ``[M, b - a]`` (none: ``[M, 0]``)."""
+        return super().silu_gate(g, u) if g.shape[-1] else self.cp.zeros(g.shape, self.cp.float32)
+
     def linear_residual(self, x, h, name):
-        """``x + h @ W.T``: the gathered product (:meth:`linears`), then the residual add
-        (a rank's piece of a row-parallel product is a partial sum, so nothing is fused)."""
-        return self.residual_add(x, self.linears(h, (name,))[0])
+        """``x + h @ W.T`` for row-parallel ``name`` from this rank's activations ``h``
+        (fp32 ``[M, b - a]``, its K shard), placed at their columns of a zero ``[M, K]``
+        array whose other columns its shard never reads: the gathered product
+        (:meth:`linears`), then the residual add (a rank's piece is a partial sum, so
+        nothing is fused)."""
+        cp = self.cp
+        a, b = self.plan.spans(name)[self.rank]
+        full = cp.zeros((h.shape[0], self.model.tensors[name].cols), cp.float32)
+        full[:, a:b] = h
+        return self.residual_add(x, self.linears(full, (name,))[0])
 
     def close(self) -> None:
         """Free the NCCL communicator."""

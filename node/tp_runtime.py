@@ -30,7 +30,7 @@ import numpy as np
 from .engine import Engine, default_n_ctx, draw_rows
 from .errors import BitexactError
 from .gguf_model import Model, load_model
-from .tp import ShardPlan, TpCpuBackend, check_degree
+from .tp import ROW_PARALLEL, ShardPlan, TpCpuBackend, check_degree
 
 SLOT_FLOATS = 1 << 20   # fp32 values each rank can publish per round (4 MiB)
 POLL_S = 0.05           # how often a rank waiting at a gather looks at the abort flag
@@ -114,13 +114,22 @@ class RankBackend(TpCpuBackend):
 
     It keeps only its own shard of each matrix (decoded once, copied out of
     the whole decoded matrix, which is then dropped), so a rank's weights
-    take about ``1/tp`` of the model's decoded size.
+    take about ``1/tp`` of the model's decoded size. Column-parallel products
+    stay local (:class:`node.tp.ShardPlan`): attention runs over the rank's
+    ``attn_heads`` with a KV cache of its own KV heads, the SiLU gate over its
+    FFN features, and a row-parallel product reads the rank's own activations
+    (:meth:`linear_residual`). Only row-parallel partials and the logits are
+    all-gathered.
     """
 
     def __init__(self, model: Model, tp: int, rank: int, gather: ShmAllGather):
+        self.plan, self.rank = ShardPlan(model, tp), rank
         super().__init__(model, tp)
-        self.rank, self.gather = rank, gather
+        self.gather = gather
         self._own: dict[str, object] = {}
+
+    def _kv_heads(self) -> int:
+        return self.plan.kv_heads(self.rank)
 
     def _shard(self, name, r):
         w = self._own.get(name)
@@ -130,7 +139,29 @@ class RankBackend(TpCpuBackend):
         return w
 
     def linears(self, x, names):
+        """This rank's pieces of column-parallel products (fp32 ``[M, b - a]``, its rows);
+        a row-parallel product or the LM head gathered and assembled (fp32 ``[M, N]``)."""
+        if not names[0].endswith(ROW_PARALLEL) and names[0] != self.model.output.name:
+            return [self.piece(x, name, self.rank) for name in names]
         return [self.assemble(name, self.gather.all_gather(self.piece(x, name, self.rank))) for name in names]
+
+    def attend(self, layer, q, k, v, cos, sin, feeds=()):
+        """Attention over this rank's ``attn_heads`` (q fp32 ``[M, H_r, hd]``, k and v
+        ``[M, H_r / G, hd]``); returns the columns of its K shard of the attention
+        output, fp32 ``[M, b - a]`` (:meth:`node.tp.ShardPlan.attention_columns`)."""
+        a, b = self.plan.attention_columns(layer, self.rank)
+        if q.shape[1] == 0:
+            return np.zeros((q.shape[0], 0), np.float32)
+        return super().attend(layer, q, k, v, cos, sin)[:, a:b]
+
+    def linear_residual(self, x, h, name):
+        """``x + h @ W.T`` for row-parallel ``name`` from this rank's activations ``h``
+        (fp32 ``[M, b - a]``, its K shard): placed at their columns of a zero
+        ``[M, K]`` array, whose other columns the shard never reads."""
+        a, b = self.plan.spans(name)[self.rank]
+        full = np.zeros((h.shape[0], self.model.tensors[name].cols), np.float32)
+        full[:, a:b] = h
+        return super().linear_residual(x, full, name)
 
 
 def _max_cols(model: Model) -> int:

@@ -17,6 +17,7 @@ from node.tp import ShardPlan, TpCpuBackend, k_shards
 
 F32 = np.float32
 SHAPE = (512, 2, 8, 4, 1024, 300)     # n_embd, layers, heads, KV heads, FFN, vocab: 8 heads split over 8 ranks
+SMOL_LIKE = (576, 1, 9, 3, 1536, 300)  # SmolLM2's widths and grouping: uneven heads, KV groups across ranks
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 33, 576, 1000, 4096, 14336])
@@ -96,6 +97,24 @@ def test_tp_default_model_bytes_equal_tp1():
     assert_tp_equal(load_model(default_model_path()), [[1, 504, 3250, 314, 2], [28, 1359]])
 
 
+def test_ranks_attend_over_whole_kv_groups_of_their_own_heads(tmp_path):
+    """9 query heads over 3 KV heads (SmolLM2's grouping) split unevenly: each rank
+    attends over the heads of its K shard widened to whole KV-head groups, keeps
+    those groups' KV heads, and hands its shard's columns of the attention output
+    to the attention output product."""
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SMOL_LIKE, "Q4_1", seed=3))
+    want = {2: ([(0, 8), (8, 9)], [(0, 9), (6, 9)], [3, 1], [(0, 512), (128, 192)]),
+            4: ([(0, 4), (4, 8), (8, 9), (9, 9)], [(0, 6), (3, 9), (6, 9), (0, 0)], [2, 2, 1, 0],
+                [(0, 256), (64, 320), (128, 192), (0, 0)])}
+    for tp, (heads, attn, kv, cols) in want.items():
+        plan = ShardPlan(model, tp)
+        assert plan.heads[0] == heads and plan.attn_heads == attn, tp
+        assert [plan.kv_heads(r) for r in range(tp)] == kv
+        assert [plan.attention_columns(0, r) for r in range(tp)] == cols
+        assert plan.spans("blk.0.attn_q.weight") == [(a * 64, b * 64) for a, b in attn]
+        assert plan.spans("blk.0.attn_k.weight") == [(a // 3 * 64, b // 3 * 64) for a, b in attn]
+
+
 def test_tp_refuses_a_degree_that_splits_a_head(tmp_path):
     model = load_model(write_model(str(tmp_path / "m.gguf"), (256, 1, 4, 2, 512, 50), "BF16", seed=1))
     Engine(model, tp=4)                                                     # 64 elements per rank = 1 head
@@ -130,6 +149,15 @@ def test_tp_processes_bytes_equal_tp1(tmp_path):
             one = Engine(model, n_ctx=256)
             assert eng.forward([(eng.new_sequence(), long)], all_logits=True)[0].tobytes() == \
                 one.forward([(one.new_sequence(), long)], all_logits=True)[0].tobytes()
+        finally:
+            eng.close()
+    smol = load_model(write_model(str(tmp_path / "s.gguf"), SMOL_LIKE, "Q4_1", seed=3))
+    want = run(Engine(smol, n_ctx=256), prompts, [64])
+    for tp in (2, 4):                            # ranks attend over KV groups they share, one rank over none
+        eng = TpEngine(smol, tp, n_ctx=256)
+        try:
+            for w, g in zip(want, run(eng, prompts, [3, 4])):
+                assert w.tobytes() == g.tobytes(), f"TP {tp} processes differ from TP 1 (9 heads over 3 KV heads)"
         finally:
             eng.close()
 
@@ -254,7 +282,7 @@ def test_gpu_gather_layout_assembles_like_the_numpy_ranks(tmp_path, tp):
     uneven and empty shards, and K/V row ranges that overlap where ranks share a
     KV head (9 query heads over 3 KV heads, as SmolLM2)."""
     from node.tp_gpu import pack_pieces, unpack_pieces
-    model = load_model(write_model(str(tmp_path / "m.gguf"), (576, 1, 9, 3, 1536, 300), "Q4_1", seed=3))
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SMOL_LIKE, "Q4_1", seed=3))
     cpu = TpCpuBackend(model, tp)
     kv = cpu.plan.spans("blk.0.attn_k.weight")
     rng = np.random.default_rng(tp)
