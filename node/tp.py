@@ -150,7 +150,9 @@ class TpCpuBackend(CpuBackend):
     partials combine as ``subtree_sum(partials, 1, tp)``. Attention is per
     (token, head), so the heads of all ranks are evaluated in one call.
     :class:`node.tp_runtime.RankBackend` computes one rank's pieces in its own
-    process and gathers the others' from the other processes.
+    process, keeps its column-parallel pieces (head-local attention) and
+    gathers the others' row-parallel partials and logits from the other
+    processes.
     """
 
     def __init__(self, model: Model, tp: int):
