@@ -115,6 +115,30 @@ def test_ranks_attend_over_whole_kv_groups_of_their_own_heads(tmp_path):
         assert plan.spans("blk.0.attn_k.weight") == [(a // 3 * 64, b // 3 * 64) for a, b in attn]
 
 
+def test_a_rank_gathers_only_row_parallel_partials_and_logits(tmp_path):
+    """A rank process's backend all-gathers twice per layer (attention output, FFN
+    down) and once for the logits, and its KV cache holds only its KV heads.
+    (The stand-in gather hands back the rank's own piece for every rank: it
+    counts calls; the bytes are checked by the process tests.)"""
+    from node.tp_runtime import RankBackend
+
+    class CountingGather:
+        calls = 0
+
+        def all_gather(self, a):
+            CountingGather.calls += 1
+            return [a] * 4
+
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SMOL_LIKE, "Q4_1", seed=3))
+    for rank, kv in enumerate([2, 2, 1, 0]):
+        CountingGather.calls = 0
+        eng = Engine(model, "cpu", 256, backend=RankBackend(model, 4, rank, CountingGather()))
+        seq = eng.new_sequence()
+        eng.forward([(seq, [1, 2, 3])])
+        assert CountingGather.calls == 2 * model.hparams.n_layer + 1, rank
+        assert eng.backend._kv[seq][0].shape[:2] == (model.hparams.n_layer, kv), rank
+
+
 def test_tp_refuses_a_degree_that_splits_a_head(tmp_path):
     model = load_model(write_model(str(tmp_path / "m.gguf"), (256, 1, 4, 2, 512, 50), "BF16", seed=1))
     Engine(model, tp=4)                                                     # 64 elements per rank = 1 head
