@@ -109,6 +109,8 @@ def cmd_serve(args) -> int:
             raise RequestError(f"{flag} must be >= {least}, got {value}")
     if not 0 <= args.port <= 65535:
         raise RequestError(f"--port must be in [0, 65535], got {args.port}")
+    if not 0 < args.body_timeout <= 3600:   # NaN fails too
+        raise RequestError(f"--body-timeout must be in (0, 3600] seconds, got {args.body_timeout}")
     if not args.data_dir:
         raise RequestError("--data-dir must not be empty")
     check_degree(args.tp)
@@ -152,7 +154,7 @@ def _serve(args, tok, key, engine) -> None:
         if args.tp != 1 else ""
     banner = (f"bitexact serve: {node.model_id} on {engine.device}{tp}, key id {node.key_id}, "
               f"http://{args.host}:{args.port}")
-    web.run_app(make_app(node, args.max_body_bytes), sock=sock, shutdown_timeout=30,
+    web.run_app(make_app(node, args.max_body_bytes, args.body_timeout), sock=sock, shutdown_timeout=30,
                 print=lambda _: print(banner, flush=True), access_log=None)
 
 
@@ -176,7 +178,7 @@ def cmd_run(args) -> int:
     if args.chat is not None:
         try:   # a JSON list is the messages; any other text is one user message
             messages = json.loads(args.chat) if args.chat.lstrip().startswith("[") else None
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):   # bad JSON, too deep, an integer too long to convert
             messages = None
         if messages is None:
             messages = [{"role": "user", "content": args.chat}]
@@ -315,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest max_tokens a request may ask (default: %(default)s)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                    help="largest request body before 413 (default: %(default)s)")
+    s.add_argument("--body-timeout", type=_float("--body-timeout"), default=30.0, metavar="S",
+                   help="seconds a request body may take to arrive after its headers, else 408 (default: %(default)s)")
     s.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, at most 8192)")
     s.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel degree 1, 2, 4 or 8: one rank process each (cuda: rank r on GPU r)")

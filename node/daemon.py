@@ -13,6 +13,7 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import sqlite3
 import time
 import uuid
 
@@ -200,7 +201,11 @@ class Node:
         payload = build_payload(result, self.engine, self.public_raw)
         blob = seal(payload, self.key)
         att_id = hashlib.sha256(blob).hexdigest()
-        self.store.put(att_id, payload["timestamp"], result.digest.hex(), blob)
+        try:
+            self.store.put(att_id, payload["timestamp"], result.digest.hex(), blob)
+        except sqlite3.Error as e:
+            log.error("could not store attestation %s: %s", att_id, e)
+            raise BitexactError(f"the attestation could not be stored: {e}") from None
         sig = canonical.decode(blob)[4]
         return {"id": att_id, "output_digest": result.digest.hex(), "signature": sig.hex(), "key_id": self.key_id}
 
@@ -210,7 +215,11 @@ def _headers(att: dict) -> dict:
             "X-Bitexact-Signature": att["signature"], "X-Bitexact-Key-Id": att["key_id"]}
 
 
-def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
+def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 30.0) -> web.Application:
+    """The daemon's aiohttp application. A request body larger than ``max_body_bytes``
+    is a 413; one that has not fully arrived ``body_timeout_s`` seconds after its
+    headers is a 408 (the connection then closes)."""
+
     @web.middleware
     async def json_errors(request, handler):
         """OpenAI-style JSON for errors aiohttp raises (404, 405, ...) and for bugs (500)."""
@@ -226,7 +235,8 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
             log.exception("request failed")
             return ApiError(500, "internal error", "server_error").response()
 
-    logging.getLogger("aiohttp.server").addFilter(ONE_LINE_ERRORS)     # once: addFilter skips a repeat
+    for name in ("aiohttp.server", "asyncio"):     # asyncio: e.g. accept() out of file descriptors
+        logging.getLogger(name).addFilter(ONE_LINE_ERRORS)     # once: addFilter skips a repeat
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app["node"] = node
 
@@ -234,7 +244,9 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
         if request.content_length is not None and request.content_length > max_body_bytes:
             raise ApiError(413, f"the request body is larger than {max_body_bytes} bytes")   # before reading it
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {body_timeout_s:g} s") from None
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"the request body is larger than {max_body_bytes} bytes") from None
         except web.RequestPayloadError as e:   # e.g. a Content-Encoding whose bytes do not decode
@@ -250,6 +262,9 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20) -> web.Application:
         try:
             body = await read_json(request)
             record = await loop.run_in_executor(None, node.parse, body, chat)
+            if node.engine.broken:   # a tensor-parallel rank died: say so before any stream starts
+                raise ApiError(500, f"{node.engine.broken}; the tensor-parallel engine must be restarted",
+                               "server_error")
             events: asyncio.Queue = asyncio.Queue()
             job = node.scheduler.submit(record, lambda k, v: loop.call_soon_threadsafe(events.put_nowait, (k, v)))
         except ApiError as e:

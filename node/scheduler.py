@@ -106,9 +106,17 @@ class Scheduler:
         self._thread.join()
 
     # ---- worker ------------------------------------------------------------
-    def _finish(self, job: Job, kind: str, value) -> None:
+    def _release(self, job: Job) -> None:
+        """Free the job's sequence. An engine that cannot (a tensor-parallel engine
+        broken by a dead rank) is logged; the request still gets its answer."""
         if job.gen is not None:
-            job.gen.release()
+            try:
+                job.gen.release()
+            except BitexactError as e:
+                log.warning("could not free a finished request's sequence: %s", e)
+
+    def _finish(self, job: Job, kind: str, value) -> None:
+        self._release(job)
         if not job.cancelled:
             job.on_event(kind, value)
 
@@ -117,8 +125,7 @@ class Scheduler:
             with self._cv:
                 for job in [j for j in self._active if j.cancelled]:
                     self._active.remove(job)
-                    if job.gen is not None:
-                        job.gen.release()
+                    self._release(job)
                 for job in [j for j in self._waiting if j.cancelled]:
                     self._waiting.remove(job)
                 if self._stop:

@@ -44,7 +44,10 @@ class AttestationStore:
                                  (att_id, created, output_digest, blob))
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                try:
+                    self._db.execute("ROLLBACK")
+                except sqlite3.Error:   # e.g. the failed COMMIT already ended the transaction
+                    pass
                 raise
 
     def get(self, att_id: str) -> bytes | None:

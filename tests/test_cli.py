@@ -263,6 +263,16 @@ def test_run_chat_text_that_is_not_a_json_list_is_one_user_message(art, cwd):
     assert json.loads(q.stdout)["request"]["messages"] == [{"role": "user", "content": text}]
 
 
+def test_run_chat_list_with_an_unconvertible_integer_is_one_user_message(art, cwd):
+    """--chat "[999...9]" (past Python's 4300-digit int limit, a ValueError, not a
+    JSONDecodeError) is one user message too: here too long for --ctx 64, so one
+    input error line, exit 2, nothing written."""
+    p = bx(cwd, "run", "--key", art.key, "--chat", "[" + "9" * 5000 + "]", "--ctx", "64", "--max-tokens", "1",
+           "--attestation", "a.bxa", "--device", "cpu")
+    assert "context" in assert_input_error(p)
+    assert listing(cwd) == []
+
+
 def test_run_with_explicit_attestation_path_writes_nothing_on_failure(art, cwd):
     p = bx(cwd, "run", "--key", art.key, "--prompt", "hi", "--top-p", "0", "--attestation", "out.bxa",
            "--device", "cpu")

@@ -336,6 +336,25 @@ def test_malformed_http_gets_aiohttp_plain_text_400_and_node_keeps_serving(key, 
     assert "Traceback" not in err and err.splitlines() == refusals and len(refusals) == 3, err[-3000:]
 
 
+def test_a_body_that_does_not_arrive_gets_408_and_the_connection_closes(key, tmp_path):
+    """A request whose body stops short is answered 408 (JSON) once --body-timeout
+    passes, and its connection is closed (it no longer holds a file descriptor)."""
+    d = Daemon(key, str(tmp_path / "data"), "--body-timeout", "1")
+    try:
+        with socket.create_connection(("127.0.0.1", d.port), timeout=30) as s:
+            s.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+                      b'Content-Length: 100\r\n\r\n{"pro')
+            t0, got = time.monotonic(), b""
+            while chunk := s.recv(65536):    # until EOF: a socket timeout here means it stayed open
+                got += chunk
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.split(b" ", 2)[1] == b"408" and time.monotonic() - t0 < 25, got
+        assert json.loads(body)["error"]["message"] == "the request body did not arrive within 1 s", got
+        assert d.post_raw("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())[0] == 200
+    finally:
+        assert d.stop() == 0
+
+
 def test_bad_chat_requests_and_node_keeps_serving(daemon, solo):
     for body in ({"messages": "hi"}, {"messages": []}, {"messages": [{"role": "user"}]},
                  {"messages": [{"role": "user", "content": 5}]}, {"messages": [{"role": "user", "content": ""}]}):

@@ -1,6 +1,7 @@
 """A sequence's logits are byte-identical however it is batched, chunked or cached."""
 
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -202,6 +203,60 @@ def test_a_sampling_fault_fails_only_its_request():
         sched.stop()
     assert ends[0][0] == "error" and isinstance(ends[0][1], NumericFault)
     assert ends[1][0] == "done" and ends[1][1].digest == want
+
+
+def test_a_broken_engine_still_answers_the_requests_of_its_failed_step():
+    """When a step fails because the engine broke (a tensor-parallel rank died),
+    freeing the sequences fails too; every request of the step still gets its
+    error, and the worker keeps answering later requests."""
+    import threading
+
+    from node.errors import BitexactError
+    from node.gguf_model import default_model_path
+    from node.generate import Request, build_request
+    from node.scheduler import Scheduler
+    from node.tokenizer import Tokenizer
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+
+    class Broken:
+        """The engine, broken after its first step: every later call raises."""
+        def __init__(self, engine):
+            self.engine, self.steps = engine, 0
+
+        def __getattr__(self, name):
+            if self.steps:
+                raise BitexactError("tensor-parallel rank 1 exited; the tensor-parallel engine must be restarted")
+            return getattr(self.engine, name)
+
+        def forward(self, chunks, all_logits=False):
+            self.steps += 1
+            if self.steps > 1:
+                raise BitexactError("tensor-parallel rank 1 exited; the tensor-parallel engine must be restarted")
+            return self.engine.forward(chunks, all_logits)
+
+    recs = [build_request(Request(prompt=p, max_tokens=4), tok, 256) for p in ("Hi", "Name a colour.")]
+    sched = Scheduler(Broken(Engine(model, n_ctx=256)), tok, max_batch=4)
+    ends, done = {}, threading.Event()
+
+    def on_event(i, kind, value):
+        if kind != "token":
+            ends[i] = (kind, str(value))
+            if len(ends) == len(recs) + 1:
+                done.set()
+
+    try:
+        for i, r in enumerate(recs):
+            sched.submit(r, lambda kind, value, i=i: on_event(i, kind, value))
+        end = time.monotonic() + 120
+        while len(ends) < len(recs) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert len(ends) == len(recs), ends                         # the failed step's requests got answers
+        sched.submit(recs[0], lambda kind, value: on_event(len(recs), kind, value))
+        assert done.wait(120), ends
+    finally:
+        sched.stop()
+    assert all(kind == "error" and "restarted" in msg for kind, msg in ends.values()), ends
 
 
 def test_max_queue_zero_runs_a_request_when_a_batch_slot_is_free():

@@ -20,6 +20,27 @@ def test_store_rolls_back_a_failed_put_and_keeps_working(tmp_path):
     store.close()
 
 
+def test_store_raises_the_commit_error_not_the_rollback_error(tmp_path):
+    """A COMMIT that fails and ends the transaction itself (e.g. a disk I/O error)
+    makes the ROLLBACK fail too; put raises the COMMIT's error, which says what happened."""
+    store = AttestationStore(str(tmp_path))
+    db = store._db
+
+    class FailingCommit:
+        def execute(self, sql, *a):
+            if sql == "COMMIT":
+                db.execute("ROLLBACK")
+                raise sqlite3.OperationalError("disk I/O error")
+            return db.execute(sql, *a)
+
+    store._db = FailingCommit()
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
+        store.put("a", "t", "d", b"blob")
+    store._db = db
+    assert store.get("a") is None and store.count() == 0
+    store.close()
+
+
 def test_store_refuses_a_table_of_another_shape(tmp_path):
     db = sqlite3.connect(tmp_path / "attestations.sqlite3")
     db.execute("CREATE TABLE attestations (x)")
