@@ -94,8 +94,8 @@ def pack_pieces(xp, plan: ShardPlan, names, m: int, rank: int, own: dict):
 def unpack_pieces(xp, plan: ShardPlan, names, m: int, recv, combine) -> list:
     """The products from the gathered send buffers ``recv`` fp32 ``[tp, count]``:
     row-parallel partials added by ``combine`` (``tp_combine``, the tree's top
-    levels); column pieces written at their rows, as ``TpCpuBackend.assemble``
-    does (K/V ranges of ranks sharing a KV head overlap; they hold the same bytes)."""
+    levels); column pieces (the LM head's vocabulary shards) written at their
+    rows, as ``TpCpuBackend.assemble`` does."""
     if len(names) == 1 and names[0].endswith(ROW_PARALLEL):
         return [combine(recv.reshape(plan.tp, m, -1))]
     out, offs = [], [0] * plan.tp
