@@ -109,6 +109,21 @@ class ShardPlan:
         hd = self.hp.head_dim
         return ((h0 - a0) * hd, (h1 - a0) * hd) if h1 > h0 else (0, 0)
 
+    def gathered(self, name: str) -> bool:
+        """Whether rank processes all-gather product ``name``: a row-parallel product
+        (its partials) or the LM head (the logits); column-parallel pieces stay local."""
+        return name.endswith(ROW_PARALLEL) or name == self.model.output.name
+
+    def shard_input(self, xp, h, name: str, rank: int):
+        """Rank ``rank``'s activations ``h`` fp32 ``[M, b - a]`` for row-parallel ``name``
+        (its K shard) placed at their columns of a zero fp32 ``[M, K]`` array, the
+        input its shard of ``name`` reads (the other columns are never read).
+        ``xp``: numpy or cupy."""
+        a, b = self.spans(name)[rank]
+        full = xp.zeros((h.shape[0], self.model.tensors[name].cols), xp.float32)
+        full[:, a:b] = h
+        return full
+
     def spans(self, name: str) -> list[tuple[int, int]]:
         """Per rank: the K range ``[a, b)`` (elements) of row-parallel matrix
         ``name``, or the output rows ``[a, b)`` of a column-parallel one."""
@@ -156,9 +171,8 @@ class TpCpuBackend(CpuBackend):
     """
 
     def __init__(self, model: Model, tp: int):
+        self.plan, self.tp = ShardPlan(model, tp), tp     # before the base class sizes the KV cache
         super().__init__(model)
-        self.plan = ShardPlan(model, tp)
-        self.tp = tp
 
     def linears(self, x, names):
         return [self.assemble(name, [self.piece(x, name, r) for r in range(self.tp)]) for name in names]

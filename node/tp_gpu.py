@@ -164,7 +164,7 @@ class CudaRankBackend(CudaBackend):
             raise ValueError(f"a row-parallel product is computed alone, got {names}")
         live = [n for n in names if self._mats[n] is not None]
         own = dict(zip(live, super().linears(x, live))) if live else {}
-        if not names[0].endswith(ROW_PARALLEL) and names[0] != self.model.output.name:
+        if not self.plan.gathered(names[0]):
             return [own[n] if n in own else cp.zeros((m, 0), cp.float32) for n in names]
         recv = self._all_gather(pack_pieces(cp, self.plan, names, m, self.rank, own))
         return unpack_pieces(cp, self.plan, names, m, recv, self.launch_tp_combine)
@@ -190,11 +190,7 @@ class CudaRankBackend(CudaBackend):
         array whose other columns its shard never reads: the gathered product
         (:meth:`linears`), then the residual add (a rank's piece is a partial sum, so
         nothing is fused)."""
-        cp = self.cp
-        a, b = self.plan.spans(name)[self.rank]
-        full = cp.zeros((h.shape[0], self.model.tensors[name].cols), cp.float32)
-        full[:, a:b] = h
-        return self.residual_add(x, self.linears(full, (name,))[0])
+        return self.residual_add(x, self.linears(self.plan.shard_input(self.cp, h, name, self.rank), (name,))[0])
 
     def close(self) -> None:
         """Free the NCCL communicator."""

@@ -30,7 +30,7 @@ import numpy as np
 from .engine import Engine, default_n_ctx, draw_rows
 from .errors import BitexactError
 from .gguf_model import Model, load_model
-from .tp import ROW_PARALLEL, ShardPlan, TpCpuBackend, check_degree
+from .tp import ShardPlan, TpCpuBackend, check_degree
 
 SLOT_FLOATS = 1 << 20   # fp32 values each rank can publish per round (4 MiB)
 POLL_S = 0.05           # how often a rank waiting at a gather looks at the abort flag
@@ -123,7 +123,7 @@ class RankBackend(TpCpuBackend):
     """
 
     def __init__(self, model: Model, tp: int, rank: int, gather: ShmAllGather):
-        self.plan, self.rank = ShardPlan(model, tp), rank
+        self.rank = rank
         super().__init__(model, tp)
         self.gather = gather
         self._own: dict[str, object] = {}
@@ -141,7 +141,7 @@ class RankBackend(TpCpuBackend):
     def linears(self, x, names):
         """This rank's pieces of column-parallel products (fp32 ``[M, b - a]``, its rows);
         a row-parallel product or the LM head gathered and assembled (fp32 ``[M, N]``)."""
-        if not names[0].endswith(ROW_PARALLEL) and names[0] != self.model.output.name:
+        if not self.plan.gathered(names[0]):
             return [self.piece(x, name, self.rank) for name in names]
         return [self.assemble(name, self.gather.all_gather(self.piece(x, name, self.rank))) for name in names]
 
@@ -158,10 +158,7 @@ class RankBackend(TpCpuBackend):
         """``x + h @ W.T`` for row-parallel ``name`` from this rank's activations ``h``
         (fp32 ``[M, b - a]``, its K shard): placed at their columns of a zero
         ``[M, K]`` array, whose other columns the shard never reads."""
-        a, b = self.plan.spans(name)[self.rank]
-        full = np.zeros((h.shape[0], self.model.tensors[name].cols), np.float32)
-        full[:, a:b] = h
-        return super().linear_residual(x, full, name)
+        return super().linear_residual(x, self.plan.shard_input(np, h, name, self.rank), name)
 
 
 def _max_cols(model: Model) -> int:
