@@ -9,6 +9,7 @@
 extern "C" __global__ void silu_gate(const float* __restrict__ g, const float* __restrict__ u,
                                      float* __restrict__ out, signed char* __restrict__ q, float* __restrict__ qd,
                                      int* __restrict__ qa, long long n, int K, int V) {
+    bx_pdl_wait();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;  // n % 32 == 0 when V < 0: uniform per warp
     float gv = g[i];

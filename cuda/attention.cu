@@ -22,6 +22,7 @@ extern "C" __global__ void __launch_bounds__(SPLIT_KV) attention_split(
     const int* __restrict__ pages, const int* __restrict__ qpos, float* __restrict__ part_m,
     float* __restrict__ part_l, float* __restrict__ part_o, int T, int H, int Hkv, int hd, int max_splits,
     float scale) {
+    bx_pdl_wait();
     extern __shared__ float smem[];
     float* qs = smem;                     // [hd]
     float* e = qs + hd;                   // [256] scores, then softmax terms
@@ -110,6 +111,7 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_m, c
                                              float* __restrict__ out, signed char* __restrict__ q,
                                              float* __restrict__ qd, int* __restrict__ qa, int T, int H, int hd,
                                              int max_splits, int V) {
+    bx_pdl_wait();
     int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
     if (d >= hd) return;  // uniform per warp when V < 0 (hd % 32 == 0)
     int n_split = qpos[t] / SPLIT_KV + 1;

@@ -7,6 +7,28 @@
 #define SPLIT_KV 256  // KV positions per page and attention split (node/reference.py SPLIT_KV)
 #define BX_WARP 32
 
+// Programmatic dependent launch (CUDA Programming Guide, "Programmatic
+// Dependent Launch and Synchronization"; PTX ISA griddepcontrol). The node
+// launches every kernel with programmatic stream serialization
+// (node/backend_cuda.py PdlKernel), so a kernel's blocks may start while the
+// previous kernel of the stream is still running. Every kernel calls
+// bx_pdl_wait() before it reads anything an earlier kernel wrote, before it
+// writes global memory and before any return: griddepcontrol.wait returns once
+// the previous grid has completed and its writes are visible, so each grid's
+// completion still implies its predecessors'. Before the wait a kernel may
+// only read constant data (weights) or hint them into L2. After it, the
+// block lets the next kernel's blocks be scheduled. No value and no order of
+// any operation changes: only when blocks start.
+__device__ __forceinline__ void bx_pdl_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+}
+
+// L2 prefetch hint of the 128-byte line holding p (PTX prefetch.global.L2).
+__device__ __forceinline__ void bx_prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // fp16 bits -> fp32, exact (PTX cvt.f32.f16 is a widening conversion).
 __device__ __forceinline__ float bx_half(unsigned short h) {
     float f;

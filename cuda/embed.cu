@@ -5,6 +5,7 @@
 // out fp32 [M, K] = dequantized rows tokens[m] of W: s * code (+ o).
 extern "C" __global__ void embed(const unsigned char* __restrict__ W, int qtype, int row_bytes,
                                  const long long* __restrict__ tokens, float* __restrict__ out, int M, int K) {
+    bx_pdl_wait();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)M * K) return;
     int m = (int)(i / K), k = (int)(i % K);

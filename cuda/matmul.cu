@@ -10,6 +10,7 @@
 // ---- quantize_q8: one warp per 32-element block of one token ----------------
 extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char* __restrict__ q,
                                        float* __restrict__ d, int* __restrict__ a, int M, int K) {
+    bx_pdl_wait();
     int nb = K >> 5;
     long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
@@ -49,6 +50,9 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 // split is 4 or 8 and at most `lanes` (launcher).
 #ifndef MQ_NT
 #define MQ_NT 1     // MMAs of 8 tokens per tile
+#endif
+#ifndef MQ_PF
+#define MQ_PF 512   // bytes per weight row of a warp's first unit hinted into L2 before the previous kernel ends
 #endif
 #define MQ_TT (8 * MQ_NT)                  // tokens per tile
 #define MQ_NV (4 * MQ_NT)                  // C elements per thread
@@ -207,6 +211,13 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
     int n_units = b_hi > b_lo ? (b_hi + b_off - wu0 + 7) / 8 : 0;
     // unit u's bytes in a row start at off0 + u * UB
     size_t off0 = SUPER ? (size_t)(wu0 >> 3) * UB : (size_t)wu0 * (UB / 8);
+    // While the previous kernel runs: the first MQ_PF bytes of the warp's first unit of its 16 rows into L2.
+    for (int i = lane; i < MQ_ROWS * (MQ_PF / 128); i += 32) {
+        size_t off = off0 + (size_t)(i / MQ_ROWS) * 128;
+        if (n_units > 0 && off < (size_t)row_bytes)
+            bx_prefetch_l2(W + (size_t)min(n0 + i % MQ_ROWS, N - 1) * row_bytes + off);
+    }
+    bx_pdl_wait();
 
     // Issue the copies of unit u into stage buffer `buf`.
     auto issue = [&](int u, int buf) {
@@ -355,7 +366,10 @@ matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
         if (w >= w1) {
             w -= w1;
             W = W2; y = y2; N = N2; qtype = qt2; row_bytes = rb2;
-            if (w >= w2) return;  // uniform per block
+            if (w >= w2) {  // uniform per block
+                bx_pdl_wait();
+                return;
+            }
         }
     }
     int n0 = w * MQ_ROWS, m0 = blockIdx.x * MQ_TT;
@@ -373,6 +387,7 @@ matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
 // Element (l, j, e) = x[m, l*g + j*V + e] moves to (j*32 + l)*V + e, g = K/32.
 // A pure permutation. Twin: node/reference.py lane_major.
 extern "C" __global__ void lane_major(const float* __restrict__ x, float* __restrict__ xl, int M, int K, int V) {
+    bx_pdl_wait();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)M * K) return;
     int m = (int)(i / K), c = (int)(i % K);
@@ -407,6 +422,9 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 #endif
 #ifndef MF_MINB
 #define MF_MINB 4    // __launch_bounds__ minimum blocks per SM (<= 64 registers)
+#endif
+#ifndef MF_PF
+#define MF_PF 2048   // bytes per weight row hinted into L2 before the previous kernel ends (<= 4096)
 #endif
 
 template <int WT, int V>
@@ -554,15 +572,24 @@ matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
     const unsigned char* W = W0;
     float* y = y0;
     int N = N0;
+    bool live = true;
     if (w >= w0) {
         w -= w0;
         W = W1; y = y1; N = N1;
         if (w >= w1) {
             w -= w1;
             W = W2; y = y2; N = N2;
-            if (w >= w2) return;  // uniform per warp
+            live = w < w2;  // uniform per warp
         }
     }
+    if (live) {  // while the previous kernel runs: the first MF_PF bytes of each of the warp's rows into L2
+        int row_bytes = lanes * (K >> 5) * (wtype == BX_F32 ? 4 : 2);
+        for (int r = 0; r < per; ++r)
+            if (lane * 128 < min(MF_PF, row_bytes))
+                bx_prefetch_l2(W + (size_t)min(w * per + r, N - 1) * row_bytes + lane * 128);
+    }
+    bx_pdl_wait();
+    if (!live) return;
     int m0 = blockIdx.x * MQ_TM;
     if (wtype == BX_F32) bx_matmul_f_t<BX_F32>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
     else if (wtype == BX_F16) bx_matmul_f_t<BX_F16>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);

@@ -22,6 +22,7 @@ extern "C" __global__ void __launch_bounds__(RN_THREADS) rms_norm(const float* _
                                                                   float* __restrict__ y, signed char* __restrict__ q,
                                                                   float* __restrict__ qd, int* __restrict__ qa, int M,
                                                                   int K, float eps, int V) {
+    bx_pdl_wait();
     extern __shared__ float sm[];
     float* xs = sm;           // [K + 32], skewed
     float* ws = sm + K + 32;  // [K]

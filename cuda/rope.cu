@@ -14,6 +14,7 @@ extern "C" __global__ void rope(const float* __restrict__ q, const float* __rest
                                 const float* __restrict__ sin_t, float* __restrict__ q_out, float* __restrict__ kp,
                                 float* __restrict__ vp, const int* __restrict__ tok_page,
                                 const int* __restrict__ tok_slot, int T, int H, int Hkv, int hd) {
+    bx_pdl_wait();
     int half = hd >> 1, heads = H + Hkv;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T * heads * half) return;

@@ -8,6 +8,7 @@
 // One block of 256 threads per row of logits [R, V]. nan[r] = 1 if a NaN is present.
 extern "C" __global__ void argmax(const float* __restrict__ logits, int* __restrict__ out,
                                   int* __restrict__ nan, int R, int V) {
+    bx_pdl_wait();
     __shared__ float bv[256];
     __shared__ int bi[256];
     __shared__ int bn[256];
@@ -43,6 +44,7 @@ extern "C" __global__ void argmax(const float* __restrict__ logits, int* __restr
 extern "C" __global__ void sample_keys(const float* __restrict__ logits, const float* __restrict__ temp,
                                        unsigned long long* __restrict__ keys, int* __restrict__ bad, int R,
                                        int V) {
+    bx_pdl_wait();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)R * V) return;
     int r = (int)(i / V);
@@ -82,6 +84,7 @@ extern "C" __global__ void sample_sorted(const float* __restrict__ logits,
                                          const float* __restrict__ top_p, const unsigned int* __restrict__ seed,
                                          const unsigned int* __restrict__ pos, float* __restrict__ c,
                                          int* __restrict__ out, int R, int V) {
+    bx_pdl_wait();
     int r = blockIdx.x;
     if (r >= R) return;  // uniform per block
     const float* lg = logits + (size_t)r * V;

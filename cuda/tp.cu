@@ -6,6 +6,7 @@
 // p [T, n] (rank order) -> y [n]: the contract tree's top log2(T) levels,
 // neighbours first: T = 4 gives (p0 + p1) + (p2 + p3). T is 1, 2, 4 or 8.
 extern "C" __global__ void tp_combine(const float* __restrict__ p, float* __restrict__ y, long long n, int T) {
+    bx_pdl_wait();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float v[8];

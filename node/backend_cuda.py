@@ -13,6 +13,7 @@ sequence, for all layers (``[n_layer, n_pages, Hkv, 256, hd]`` fp32 for K and V)
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 from typing import NamedTuple
@@ -162,6 +163,78 @@ def load_modules(cupy) -> dict:
     return mods
 
 
+_ARG_CTYPES = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32,
+               np.float32: ctypes.c_float}  # kernel scalar arguments PdlKernel passes
+
+
+class PdlKernel:
+    """A kernel of cuda/ launched with programmatic stream serialization
+    (``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``;
+    CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization").
+
+    Its blocks may start while the stream's previous kernel still runs: each
+    kernel hints its first weight bytes into L2, then waits in ``bx_pdl_wait``
+    (cuda/common.cuh) until that kernel has completed and its writes are
+    visible, so no operand, value or order changes, only when blocks start.
+    Called like a ``cupy.RawModule`` function: ``(grid, block, args,
+    shared_mem=0)`` on CuPy's current stream (captured into CUDA graphs like
+    any launch). ``args``: CuPy arrays (device pointers), ``None`` (a null
+    pointer) and numpy scalars (int32, int64, uint32, float32). Raises
+    :class:`TypeError` for any other argument and :class:`GpuError` when the
+    driver refuses the launch.
+    """
+
+    def __init__(self, fn, name: str):
+        import cupy
+        from cuda.bindings import driver
+
+        self.fn, self.name, self._cp, self._drv = fn, name, cupy, driver
+        self._f = driver.CUfunction(fn.kernel.ptr)
+        self._configs: dict = {}
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self.fn.max_dynamic_shared_size_bytes
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, n: int) -> None:
+        self.fn.max_dynamic_shared_size_bytes = n
+
+    def _config(self, grid, block, shared_mem: int, stream: int):
+        key = (grid, block, shared_mem, stream)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            drv = self._drv
+            cfg = drv.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (*grid, 1, 1)[:3]
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (*block, 1, 1)[:3]
+            cfg.sharedMemBytes = shared_mem
+            cfg.hStream = drv.CUstream(stream)
+            attr = drv.CUlaunchAttribute()
+            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg.attrs, cfg.numAttrs = [attr], 1
+            self._configs[key] = cfg
+        return cfg
+
+    def _arg(self, a):
+        if a is None:
+            return 0, ctypes.c_void_p
+        if isinstance(a, self._cp.ndarray):
+            return a.data.ptr, ctypes.c_void_p
+        t = _ARG_CTYPES.get(type(a))
+        if t is None:
+            raise TypeError(f"{self.name}: kernel argument of type {type(a).__name__}")
+        return a.item(), t
+
+    def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+        cfg = self._config(tuple(grid), tuple(block), int(shared_mem), self._cp.cuda.get_current_stream().ptr)
+        vals, types = zip(*(self._arg(a) for a in args))
+        (err,) = self._drv.cuLaunchKernelEx(cfg, self._f, (vals, types), 0)
+        if err != self._drv.CUresult.CUDA_SUCCESS:
+            raise GpuError(f"kernel {self.name} could not be launched: {err.name}")
+
+
 def _check(cond: bool, what: str) -> None:
     if not cond:
         raise ValueError(f"kernel launch shape check failed: {what}")
@@ -186,7 +259,7 @@ class CudaBackend:
         self.model, self.hp = model, model.hparams
         try:
             mods = load_modules(cp)
-            self.k = {n: mods[f].get_function(n) for f, names in (
+            self.k = {n: PdlKernel(mods[f].get_function(n), n) for f, names in (
                 ("matmul.cu", ("quantize_q8", "matmul_q", "lane_major", "matmul_f")), ("norm.cu", ("rms_norm",)),
                 ("rope.cu", ("rope",)), ("attention.cu", ("attention_split", "attention_combine")),
                 ("activation.cu", ("silu_gate",)), ("residual.cu", ("residual_add",)), ("embed.cu", ("embed",)),

@@ -1,14 +1,16 @@
 """Time variants of the matmul_f or matmul_q tiles on the Llama-3.1-8B or SmolLM2-135M product shapes.
 
 Each variant is cuda/matmul.cu compiled with the pinned options plus ``-D``
-overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB; matmul_q: MQ_NT)
+overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB, MF_PF; matmul_q: MQ_NT, MQ_PF)
 and, for matmul_q, ``split=4`` or ``split=8`` warps per tile instead of the
 node's choice (node/backend_cuda.py mq_split); none of them changes any sum.
 matmul_f reads BF16 weights; matmul_q reads the shapes' quantized type (8B:
 Q4_K; SmolLM2: Q4_1, LM head Q8_0, as the default model) with random codes
 and scales 2^-7, and activations quantized by quantize_q8. For each product
 (Q/K/V fused, O, gate/up fused, down, LM head) and batch 1, 8, 32 it replays
-a CUDA graph of 20 launches that cycle over weight copies larger than L2, and
+a CUDA graph of 20 launches that cycle over weight copies larger than L2
+(launched as the node launches them, with programmatic dependent launch, so
+each launch's L2 hints overlap the previous one's tail), and
 reports microseconds per launch, GB/s of weights, and whether the output
 bytes equal the first variant's.
 
@@ -54,7 +56,8 @@ def compile_variant(cp, kernel: str, tokens: list[str]):
         f.write(cubin)
     params = dict(DEFAULTS, **{t.removeprefix("-D").split("=")[0]: int(t.split("=")[1]) for t in tokens})
     mod = cp.RawModule(path=path)
-    return (mod.get_function(kernel), mod.get_function("quantize_q8"), mod), params
+    return (bc.PdlKernel(mod.get_function(kernel), kernel), bc.PdlKernel(mod.get_function("quantize_q8"), "quantize_q8"),
+            mod), params
 
 
 def weights(cp, kernel: str, qtype: str, n: int, k: int):
@@ -142,7 +145,7 @@ def main() -> int:
 
     variants = [(v or "defaults", *compile_variant(cp, args.kernel, v.split())) for v in args.variants]
     report = {"kernel": args.kernel, "shapes": args.shapes, "runs": [],
-              "variants": {name: {"registers": fns[0].num_regs, "local_bytes": fns[0].local_size_bytes}
+              "variants": {name: {"registers": fns[0].fn.num_regs, "local_bytes": fns[0].fn.local_size_bytes}
                            for name, fns, _ in variants}}
     for shape, (ns, k, qtype) in SHAPES[args.shapes].items():
         nbytes = sum(ns) * k * (2 if args.kernel == "matmul_f" else BLOCK_BYTES[qtype][0] / BLOCK_BYTES[qtype][1])

@@ -116,6 +116,53 @@ def test_nvrtc_cubins_are_atomic_free_without_local_memory(tmp_path, name):
     assert all(stack == "0" and local == "0" for _, _, stack, local in usage), usage
 
 
+SASS_MEMORY = r"\b(LDG|STG|LDGSTS|LD|ST|UBLKCP|UTMALDG|EXIT|RET)\b"  # global loads/stores, cp.async, exit
+SASS_WAIT = r"\bACQBULK\b"  # griddepcontrol.wait (cuda/common.cuh bx_pdl_wait)
+
+
+def _assert_sass_waits_first(cubin):
+    """Each kernel function of the cubin waits for the previous grid (ACQBULK)
+    before, in address order, its first global load or store, cp.async or exit.
+    Only L2 prefetch hints (CCTL) may come first. This reads the code linearly;
+    a kernel's other paths are covered by the GPU tests."""
+    tool, env = _cuobjdump_env()
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, env=env)
+    assert sass.returncode == 0
+    funcs = re.split(r"\n\s*Function : ", sass.stdout)[1:]
+    assert funcs
+    for f in funcs:
+        name, code = f.split("\n", 1)
+        ops = [ln.split(";")[0] for ln in code.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)]
+        first_wait = next((i for i, op in enumerate(ops) if re.search(SASS_WAIT, op)), None)
+        assert first_wait is not None, f"{name}: no griddepcontrol.wait"
+        early = [op.strip() for op in ops[:first_wait] if re.search(SASS_MEMORY, op)]
+        assert not early, f"{name}: {early[0]} before griddepcontrol.wait"
+
+
+@pytest.mark.parametrize("name", KERNEL_FILES)
+def test_every_kernel_waits_for_the_previous_grid_first(tmp_path, name):
+    """Kernels are launched with programmatic dependent launch (node/backend_cuda.py
+    PdlKernel): none may touch memory an earlier kernel writes before it waits."""
+    with open(os.path.join(CUDA, name)) as f, open(os.path.join(CUDA, "common.cuh")) as h:
+        cubin_bytes = _nvrtc_compile(name, f.read(), h.read())
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(cubin_bytes)
+    _assert_sass_waits_first(cubin)
+
+
+@pytest.mark.parametrize("body", ["o[0] = 1.0f; bx_pdl_wait();", "if (o[1] > 0.0f) return; bx_pdl_wait(); o[0] = 1.0f;",
+                                  "o[0] = 2.0f;"])
+def test_the_wait_check_catches_early_access(tmp_path, body):
+    """The wait check can fail: a store, a load and return, or no wait at all."""
+    with open(os.path.join(CUDA, "common.cuh")) as h:
+        header = h.read()
+    src = '#include "common.cuh"\nextern "C" __global__ void k(float* o) { %s }' % body
+    cubin = tmp_path / "planted.cubin"
+    cubin.write_bytes(_nvrtc_compile("planted.cu", src, header))
+    with pytest.raises(AssertionError):
+        _assert_sass_waits_first(cubin)
+
+
 @pytest.mark.parametrize("body", ["atomicAdd(o + 1, 1.0f);", "o[2] = atomicAdd(o + 1, 1.0f);",
                                   "__shared__ float s; atomicAdd(&s, 1.0f); o[3] = s;"])
 def test_the_sass_check_catches_planted_atomics(tmp_path, body):
