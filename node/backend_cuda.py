@@ -186,7 +186,10 @@ class PdlKernel:
 
     def __init__(self, fn, name: str):
         import cupy
-        from cuda.bindings import driver
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            raise GpuError("cuda-bindings (the CUDA driver API) is not installed: pip install -e '.[cuda]'") from None
 
         self.fn, self.name, self._cp, self._drv = fn, name, cupy, driver
         self._f = driver.CUfunction(fn.kernel.ptr)
@@ -214,6 +217,8 @@ class PdlKernel:
             attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attr.value.programmaticStreamSerializationAllowed = 1
             cfg.attrs, cfg.numAttrs = [attr], 1
+            if len(self._configs) >= 1024:  # eager prefill shapes vary: keep the cache bounded
+                self._configs.clear()
             self._configs[key] = cfg
         return cfg
 

@@ -61,6 +61,22 @@ def test_gpu_pinned_and_recorded(models):
     assert rec["gpu"] == "NVIDIA H200" and rec["compute_capability"] == "9.0"
 
 
+def test_launch_refusals_are_clear_errors(backends):
+    """PdlKernel: an argument of an unsupported type is a TypeError before the
+    launch; a launch the driver refuses (1025 threads per block) is a GpuError."""
+    import cupy as cp
+
+    from node.backend_cuda import GpuError
+    k = backends["F32"].k["residual_add"]
+    x = cp.zeros(8, cp.float32)
+    with pytest.raises(TypeError, match="residual_add: kernel argument of type int"):
+        k((1,), (32,), (x, x, x, 8))
+    with pytest.raises(GpuError, match="^kernel residual_add could not be launched: CUDA_ERROR_"):
+        k((1,), (1025,), (x, x, x, np.int64(8)))
+    k((1,), (32,), (x + 1, x + 2, x, np.int64(8)))
+    assert x.get().tolist() == [3.0] * 8
+
+
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 40])
 def test_quantize_q8_twin(backends, m):
     be = backends["Q8_0"]
