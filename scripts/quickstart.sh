@@ -16,7 +16,10 @@ trap 'rc=$?; kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null ||
 python - "$PORT" "$SERVER" <<'PY'
 import json, os, sys, time, urllib.request
 import openai
+from attest.atomic import atomic_write
+from attest.keys import key_id, load_public
 url, server = f"http://127.0.0.1:{sys.argv[1]}", int(sys.argv[2])
+own_key = key_id(load_public("quickstart/node.pub.pem"))
 
 
 def serving() -> bool:
@@ -46,6 +49,11 @@ for _ in range(300):
 else:
     print("quickstart: bitexact serve did not answer /health within 60 s (see quickstart/serve.log)", file=sys.stderr)
     sys.exit(2)
+serving_key = json.load(urllib.request.urlopen(url + "/v1/node", timeout=10)).get("key_id")
+if serving_key != own_key:  # another node holds the port; ours failed or is failing to listen
+    print(f"quickstart: port {sys.argv[1]} is served by another node (key id {str(serving_key)[:16]}…), "
+          "not the one started here; set BITEXACT_PORT to a free port", file=sys.stderr)
+    sys.exit(2)
 client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
 model = client.models.list().data[0].id  # the one model the node serves
 r = client.chat.completions.create(model=model, max_tokens=48,
@@ -53,7 +61,6 @@ r = client.chat.completions.create(model=model, max_tokens=48,
 att = r.model_extra["attestation"]
 print(r.choices[0].message.content)
 print(f"attestation {att['id']} (output digest {att['output_digest']}, key id {att['key_id']})")
-with open("quickstart/answer.bxa", "wb") as f:
-    f.write(urllib.request.urlopen(f"{url}/v1/attestations/{att['id']}").read())
+atomic_write("quickstart/answer.bxa", urllib.request.urlopen(f"{url}/v1/attestations/{att['id']}").read())
 PY
 bitexact verify quickstart/answer.bxa --trusted-key quickstart/node.pub.pem
