@@ -155,7 +155,7 @@ def _serve(args, tok, key, engine) -> None:
     banner = (f"bitexact serve: {node.model_id} on {engine.device}{tp}, key id {node.key_id}, "
               f"http://{args.host}:{args.port}")
     web.run_app(make_app(node, args.max_body_bytes, args.body_timeout), sock=sock, shutdown_timeout=30,
-                print=lambda _: print(banner, flush=True), access_log=None)
+                print=lambda _: print(banner, flush=True), access_log=None, handler_cancellation=True)
 
 
 def cmd_run(args) -> int:

@@ -320,11 +320,15 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
                                       "choices": [choice], "usage": usage, "attestation": att},
                                      headers=_headers(att))
         except (asyncio.CancelledError, ConnectionResetError) as e:
+            # CancelledError: the connection closed (the server runs with handler
+            # cancellation, node/cli.py cmd_serve), so a client that hangs up never
+            # keeps its batch slot.
             node.scheduler.cancel(job)
             node.m_requests.labels("disconnected").inc()
+            log.warning("%s: the client went away %s; its job is cancelled", rid,
+                        "before the answer" if resp is None else "mid-stream")
             if resp is None or isinstance(e, asyncio.CancelledError):
                 raise
-            log.warning("%s: the client went away mid-stream; its job is cancelled", rid)
             return resp   # aiohttp's final write_eof meets the closed connection and stops quietly
         except BitexactError as e:
             node.m_requests.labels("failed").inc()

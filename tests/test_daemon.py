@@ -427,6 +427,31 @@ def test_client_disconnect_mid_stream_frees_sequence_and_logs_one_line(key, tmp_
     assert "went away mid-stream" in err and "Traceback" not in err, err[-3000:]
 
 
+def test_client_that_hangs_up_before_the_answer_frees_its_slot(key, tmp_path, solo):
+    """A non-streamed request whose client closes the connection is cancelled at
+    once: with one batch slot and no queue, the next request is served (not 429)
+    long before the first could have finished, with the solo bytes."""
+    d = Daemon(key, str(tmp_path / "data"), "--max-batch", "1", "--max-queue", "0")
+    try:
+        body = json.dumps({"prompt": "Tell me a very long story:", "max_tokens": 400}).encode()
+        with socket.create_connection(("127.0.0.1", d.port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            end = time.time() + 30
+            while time.time() < end and not json.loads(d.get("/health").read())["active"]:
+                time.sleep(0.05)
+            assert json.loads(d.get("/health").read())["active"] == 1
+        end = time.time() + 10
+        while time.time() < end and json.loads(d.get("/health").read())["active"]:
+            time.sleep(0.1)
+        assert json.loads(d.get("/health").read())["active"] == 0
+        assert send(d, "prompt", "Once upon a time", 3) == solo("prompt", "Once upon a time", 3)
+    finally:
+        assert d.stop() == 0
+    err = d.proc.stderr.read()
+    assert "went away before the answer" in err and "Traceback" not in err, err[-3000:]
+
+
 def test_sigkill_then_restart_keeps_every_returned_attestation(key, tmp_path):
     data = str(tmp_path / "data")
     d = Daemon(key, data)
