@@ -55,6 +55,19 @@ def read_passphrase(path: str | None) -> bytes | None:
     return data
 
 
+def env_passphrase(name: str = "BITEXACT_KEY_PASSPHRASE") -> bytes | None:
+    """Passphrase bytes from environment variable ``name``, as the OS holds them
+    (any bytes, not only UTF-8; at most 1023), or None when unset or empty.
+    Raises :class:`KeyError_`."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    data = os.fsencode(value)
+    if len(data) > MAX_PASSPHRASE:
+        raise KeyError_(f"{name} holds more than {MAX_PASSPHRASE} bytes")
+    return data
+
+
 def generate(path: str, passphrase: bytes | None = None) -> str:
     """Create a new key at ``path`` (mode 0600) and its public key beside it.
 

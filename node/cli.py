@@ -27,11 +27,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _passphrase(args) -> bytes | None:
-    from attest.keys import read_passphrase
+    from attest.keys import env_passphrase, read_passphrase
     if getattr(args, "passphrase_file", None):
         return read_passphrase(args.passphrase_file)
-    env = os.environ.get("BITEXACT_KEY_PASSPHRASE")
-    return env.encode() if env else None
+    return env_passphrase()
 
 
 def _check_replaceable(path: str, args) -> None:

@@ -101,6 +101,24 @@ def test_keygen_errors_write_nothing(tmp_path, setup, args):
     assert listing(tmp_path) == before
 
 
+def test_env_passphrase_is_the_environment_bytes(tmp_path):
+    """BITEXACT_KEY_PASSPHRASE is taken as the bytes the OS holds, UTF-8 or not:
+    keygen encrypts with them and run decrypts with them; over 1023 bytes is one
+    error line, exit 2, nothing written."""
+    raw = b"ab\xffcd"
+    env = {"BITEXACT_KEY_PASSPHRASE": os.fsdecode(raw)}
+    p = bx(tmp_path, "keygen", "--out", "k.pem", env=env)
+    assert p.returncode == 0, p.stderr
+    key = serialization.load_pem_private_key((tmp_path / "k.pem").read_bytes(), password=raw)
+    assert keys.public_raw(key) == keys.load_public(str(tmp_path / "k.pub.pem"))
+    p = bx(tmp_path, "run", "--key", "k.pem", "--prompt", "", "--max-tokens", "2", "--device", "cpu", env=env)
+    assert "prompt is empty" in assert_input_error(p)     # the key decrypted; the request is what fails
+    before = listing(tmp_path)
+    p = bx(tmp_path, "keygen", "--out", "long.pem", env={"BITEXACT_KEY_PASSPHRASE": "a" * 1024})
+    assert "BITEXACT_KEY_PASSPHRASE holds more than 1023 bytes" in assert_input_error(p)
+    assert listing(tmp_path) == before
+
+
 def test_keygen_passphrase_file(enc_key):
     pem = (enc_key / "enc.pem").read_bytes()
     assert b"ENCRYPTED PRIVATE KEY" in pem
