@@ -11,6 +11,8 @@ import threading
 from .errors import ModelError, RequestError
 from .gguf_model import Model
 
+TEMPLATE_RANGE_ITEMS = 1_000_000  # range() items one chat-template rendering may iterate over, in all
+
 
 class Tokenizer:
     """Tokenize and detokenize with the vocabulary stored in ``model``'s GGUF file."""
@@ -63,7 +65,7 @@ class Tokenizer:
         template fails on these messages.
         """
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
         tpl = self.model.metadata.get("tokenizer.chat_template")
         if not tpl:
@@ -73,7 +75,19 @@ class Tokenizer:
         def raise_exception(msg):
             raise jinja2.TemplateError(msg)
 
+        budget = [TEMPLATE_RANGE_ITEMS]
+
+        def bounded_range(*args):
+            """The sandbox's range (at most MAX_RANGE items per call), counted
+            against one budget per rendering, so nested loops cannot run for ever."""
+            r = safe_range(*args)
+            budget[0] -= len(r)
+            if budget[0] < 0:
+                raise jinja2.TemplateError(f"the template ranges over more than {TEMPLATE_RANGE_ITEMS} items")
+            return r
+
         env.globals["raise_exception"] = raise_exception
+        env.globals["range"] = bounded_range
         piece = self.decode_bytes
         try:
             return env.from_string(tpl).render(

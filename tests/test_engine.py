@@ -141,7 +141,9 @@ def test_engine_rejects_a_bad_context_length(n_ctx):
 
 @pytest.mark.parametrize("template", ["{{ raise_exception('system role not supported') }}",
                                       "{{ messages[0]['content'] / 0 }}", "{% for %}", "{{ x.y.z() }}",
-                                      "{{ ''.__class__.__mro__ }}"])
+                                      "{{ ''.__class__.__mro__ }}",
+                                      "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                      "{% endfor %}"])
 def test_a_failing_chat_template_is_one_request_error(template):
     """The chat template is code from the model file: any failure, including
     the sandbox refusing an attribute, is a one-line RequestError."""
