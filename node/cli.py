@@ -152,7 +152,7 @@ def _serve(args, tok, key, engine) -> None:
     tp = f" (tensor parallel: {args.tp} rank processes{' on as many GPUs' if engine.device == 'cuda' else ''})" \
         if args.tp != 1 else ""
     banner = (f"bitexact serve: {node.model_id} on {engine.device}{tp}, key id {node.key_id}, "
-              f"http://{args.host}:{args.port}")
+              f"http://{args.host}:{sock.getsockname()[1]}")   # the bound port (--port 0: the kernel's pick)
     web.run_app(make_app(node, args.max_body_bytes, args.body_timeout), sock=sock, shutdown_timeout=30,
                 print=lambda _: print(banner, flush=True), access_log=None, handler_cancellation=True)
 

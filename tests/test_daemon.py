@@ -8,6 +8,7 @@ CPU reference engine."""
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -450,6 +451,22 @@ def test_client_that_hangs_up_before_the_answer_frees_its_slot(key, tmp_path, so
         assert d.stop() == 0
     err = d.proc.stderr.read()
     assert "went away before the answer" in err and "Traceback" not in err, err[-3000:]
+
+
+def test_port_zero_banner_names_the_bound_port(key, tmp_path):
+    """``--port 0`` lets the kernel pick a free port; the banner names that port."""
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", "--key", key, "--data-dir",
+                             str(tmp_path / "data"), "--port", "0", "--device", DEVICE],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stdout.readline()
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)\s*$", banner).group(1))
+        assert port != 0, banner
+        assert json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30).read())["status"] \
+            == "ok"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
 
 
 def test_sigkill_then_restart_keeps_every_returned_attestation(key, tmp_path):
