@@ -149,6 +149,8 @@ def load_model(path: str) -> Model:
 
     def num(key, kind, default=None, ok=lambda v: v > 0):
         v = _field(reader, f"llama.{key}", default) if default is not None else need(key)
+        if isinstance(v, (str, bytes, bool)):    # GGUF stores numbers as numbers
+            raise ModelError(f"GGUF metadata key llama.{key} is not a number: {v!r}")
         try:
             v = kind(v)
         except (TypeError, ValueError):
@@ -174,7 +176,7 @@ def load_model(path: str) -> Model:
         head_dim=head_dim, n_ff=num("feed_forward_length", int),
         n_ctx_train=num("context_length", int, 2048),
         rms_eps=float(np.float32(num("attention.layer_norm_rms_epsilon", float, ok=lambda v: 0 < v < 1))),
-        rope_base=num("rope.freq_base", float, 10000.0),
+        rope_base=num("rope.freq_base", float, 10000.0, ok=lambda v: v > 1),
         rope_freq_scale=1.0 / factor if scaling == "linear" else 1.0,
     )
     if n_head % n_head_kv or head_dim * n_head != n_embd or head_dim % 2:

@@ -55,6 +55,8 @@ def test_store_refuses_a_table_of_another_shape(tmp_path):
     ({"llama.attention.layer_norm_rms_epsilon": "small"}, "not a number"),
     ({"llama.attention.layer_norm_rms_epsilon": -1.0}, "invalid value"),
     ({"llama.rope.freq_base": 0.0}, "freq_base has an invalid value"),
+    ({"llama.rope.freq_base": 1e-30}, "freq_base has an invalid value"),
+    ({"llama.attention.layer_norm_rms_epsilon": "1e-5"}, "not a number"),
     ({"llama.block_count": 0}, "block_count has an invalid value"),
     ({"llama.feed_forward_length": 100}, "hyperparameters say 100x64"),
     ({"llama.embedding_length": 96}, "head layout"),
@@ -63,3 +65,18 @@ def test_malformed_metadata_is_a_model_error(tmp_path, metadata, needle):
     path = write_model(str(tmp_path / "bad.gguf"), "tiny", "Q8_0", metadata=metadata)
     with pytest.raises(ModelError, match=needle):
         load_model(path)
+
+
+@pytest.mark.parametrize("metadata", [{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1e-39},
+                                      {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1e-6}])
+def test_rope_angles_past_the_table_range_are_one_model_error(tmp_path, metadata):
+    """A scaling factor that would push RoPE angles past sincos64's 2**28 rad is
+    refused before the table is computed: a ModelError, and no numpy warning."""
+    import warnings
+
+    from node.engine import Engine
+    model = load_model(write_model(str(tmp_path / "bad.gguf"), "tiny", "Q8_0", metadata=metadata))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ModelError, match="RoPE angles would reach"):
+            Engine(model, n_ctx=2048)
