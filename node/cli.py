@@ -35,8 +35,15 @@ def _passphrase(args) -> bytes | None:
 
 def _check_replaceable(path: str, args) -> None:
     """Refuse an output path that is not a regular file (a device, FIFO, folder or
-    symlink would be replaced by a file) or that names the signing key or its
-    passphrase file. Raises :class:`RequestError`."""
+    symlink would be replaced by a file) or that names an input: the signing key,
+    its public key, its passphrase file or the model. Raises :class:`RequestError`."""
+    from attest.keys import pub_path_for
+
+    from .gguf_model import ModelError, default_model_path
+    try:
+        model = args.model or default_model_path()
+    except ModelError:
+        model = None
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -45,7 +52,8 @@ def _check_replaceable(path: str, args) -> None:
         raise RequestError(f"cannot write the attestation {path}: {e.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
         raise RequestError(f"refusing to replace {path}: it is not a regular file")
-    for flag, other in (("--key", args.key), ("--passphrase-file", getattr(args, "passphrase_file", None))):
+    for flag, other in (("--key", args.key), ("public key", pub_path_for(args.key)),
+                        ("--passphrase-file", getattr(args, "passphrase_file", None)), ("--model", model)):
         if other and os.path.exists(other) and os.path.samefile(path, other):
             raise RequestError(f"refusing to replace {path}: it is the {flag} file")
 

@@ -298,14 +298,16 @@ def test_run_with_explicit_attestation_path_writes_nothing_on_failure(art, cwd):
     assert listing(cwd) == []
 
 
-@pytest.mark.parametrize("target", ["key", "passphrase", "fifo", "folder", "symlink"])
+@pytest.mark.parametrize("target", ["key", "public", "passphrase", "model", "fifo", "folder", "symlink"])
 def test_run_refuses_to_replace_what_is_not_a_plain_output_file(enc_key, tmp_path, cwd, target):
-    """--attestation never replaces the signing key, its passphrase file, a FIFO,
-    a folder or a symlink; the refusal comes before the model loads and leaves
-    the target as it was."""
+    """--attestation never replaces the signing key, its public key, its passphrase
+    file, the model, a FIFO, a folder or a symlink; the refusal comes before the
+    model loads and leaves the target as it was."""
+    from node.synth import write_model
     key, pw = str(enc_key / "enc.pem"), str(enc_key / "pass.txt")
-    path = {"key": key, "passphrase": pw, "fifo": str(tmp_path / "fifo"), "folder": str(tmp_path / "dir"),
-            "symlink": str(tmp_path / "link")}[target]
+    model = write_model(str(tmp_path / "m.gguf"), "tiny", "Q8_0")
+    path = {"key": key, "public": str(enc_key / "enc.pub.pem"), "passphrase": pw, "model": model,
+            "fifo": str(tmp_path / "fifo"), "folder": str(tmp_path / "dir"), "symlink": str(tmp_path / "link")}[target]
     if target == "fifo":
         os.mkfifo(path)
     elif target == "folder":
@@ -314,13 +316,16 @@ def test_run_refuses_to_replace_what_is_not_a_plain_output_file(enc_key, tmp_pat
         os.symlink(key, path)
     before = os.lstat(path)
     data = open(key, "rb").read()
-    p = bx(cwd, "run", "--key", key, "--passphrase-file", pw, "--prompt", "hi", "--attestation", path,
-           "--device", "cpu")
-    why = {"key": "it is the --key file", "passphrase": "it is the --passphrase-file file"}.get(
+    kept = open(path, "rb").read() if os.path.isfile(path) and target != "fifo" else None
+    p = bx(cwd, "run", "--key", key, "--passphrase-file", pw, "--model", model, "--prompt", "hi",
+           "--attestation", path, "--device", "cpu")
+    why = {"key": "it is the --key file", "public": "it is the public key file",
+           "passphrase": "it is the --passphrase-file file", "model": "it is the --model file"}.get(
         target, "it is not a regular file")
     assert assert_input_error(p).endswith(f"refusing to replace {path}: {why}")
     after = os.lstat(path)
     assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode) and open(key, "rb").read() == data
+    assert kept is None or open(path, "rb").read() == kept
     assert listing(cwd) == []
 
 
