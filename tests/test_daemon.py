@@ -384,7 +384,10 @@ def test_limits_context_body_and_queue(key, tmp_path, solo):
                "--max-queue", "1", "--max-tokens-cap", "40")
     try:
         code, err = d.post_raw("/v1/completions", json.dumps({"prompt": "word " * 100}).encode())
-        assert code == 400 and err["error"]["code"] == "context_length_exceeded"
+        assert code == 400 and err["error"]["code"] == "context_length_exceeded" and err["error"]["param"] == "prompt"
+        code, err = d.post_raw("/v1/chat/completions",
+                               json.dumps({"messages": [{"role": "user", "content": "word " * 100}]}).encode())
+        assert code == 400 and err["error"]["code"] == "context_length_exceeded" and err["error"]["param"] == "messages"
         code, err = d.post_raw("/v1/completions", json.dumps({"prompt": "x" * 10000}).encode())
         assert code == 413 and "error" in err
         code, err = d.post_raw("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 41}).encode())
