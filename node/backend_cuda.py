@@ -172,10 +172,11 @@ class PdlKernel:
     (``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``;
     CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization").
 
-    Its blocks may start while the stream's previous kernel still runs: each
-    kernel hints its first weight bytes into L2, then waits in ``bx_pdl_wait``
-    (cuda/common.cuh) until that kernel has completed and its writes are
-    visible, so no operand, value or order changes, only when blocks start.
+    Its blocks may start while the stream's previous kernel still runs: the
+    products hint their first weight bytes into L2, then every kernel waits in
+    ``bx_pdl_wait`` (cuda/common.cuh) until that kernel has completed and its
+    writes are visible, so no operand, value or order changes, only when
+    blocks start.
     Called like a ``cupy.RawModule`` function: ``(grid, block, args,
     shared_mem=0)`` on CuPy's current stream (captured into CUDA graphs like
     any launch). ``args``: CuPy arrays (device pointers), ``None`` (a null
