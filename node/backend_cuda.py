@@ -205,12 +205,13 @@ class PdlKernel:
         self.fn.max_dynamic_shared_size_bytes = n
 
     def _config(self, grid, block, shared_mem: int, stream: int):
-        key = (grid, block, shared_mem, stream)
+        """The launch configuration: one per block shape, shared memory and stream
+        (a handful per kernel), its grid set for this launch."""
+        key = (block, shared_mem, stream)
         cfg = self._configs.get(key)
         if cfg is None:
             drv = self._drv
-            cfg = drv.CUlaunchConfig()
-            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (*grid, 1, 1)[:3]
+            cfg = self._configs[key] = drv.CUlaunchConfig()
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (*block, 1, 1)[:3]
             cfg.sharedMemBytes = shared_mem
             cfg.hStream = drv.CUstream(stream)
@@ -218,9 +219,7 @@ class PdlKernel:
             attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attr.value.programmaticStreamSerializationAllowed = 1
             cfg.attrs, cfg.numAttrs = [attr], 1
-            if len(self._configs) >= 1024:  # eager prefill shapes vary: keep the cache bounded
-                self._configs.clear()
-            self._configs[key] = cfg
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (*grid, 1, 1)[:3]
         return cfg
 
     def _arg(self, a):
@@ -234,7 +233,7 @@ class PdlKernel:
         return a.item(), t
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
-        cfg = self._config(tuple(grid), tuple(block), int(shared_mem), self._cp.cuda.get_current_stream().ptr)
+        cfg = self._config(grid, tuple(block), int(shared_mem), self._cp.cuda.get_current_stream().ptr)
         vals, types = zip(*(self._arg(a) for a in args))
         (err,) = self._drv.cuLaunchKernelEx(cfg, self._f, (vals, types), 0)
         if err != self._drv.CUresult.CUDA_SUCCESS:

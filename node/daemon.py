@@ -192,8 +192,7 @@ class Node:
         try:
             return build_request(req, self.tok, self.engine.n_ctx)
         except RequestError as e:
-            code = "context_length_exceeded" if "context" in str(e) else None
-            raise ApiError(400, str(e), code=code, param=limit if e.param == "max_tokens" else e.param) from None
+            raise ApiError(400, str(e), code=e.code, param=limit if e.param == "max_tokens" else e.param) from None
 
     # ---- attestation -----------------------------------------------------
     def attest(self, result) -> dict:

@@ -17,11 +17,12 @@ class ModelError(BitexactError):
 
 class RequestError(BitexactError):
     """A request parameter outside its documented range; ``param`` names the
-    request field at fault (the OpenAI error's ``param``), when there is one."""
+    request field at fault and ``code`` the OpenAI error code (e.g.
+    ``context_length_exceeded``), when there is one."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class AttestationError(BitexactError):

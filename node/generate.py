@@ -98,7 +98,7 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
         text, ids, mode = req.prompt, tok.encode(req.prompt), "prompt"
     if len(ids) >= n_ctx:
         raise RequestError(f"the prompt is {len(ids)} tokens; the context holds {n_ctx} (one must stay free)",
-                           param="prompt" if mode == "prompt" else "messages")
+                           param="prompt" if mode == "prompt" else "messages", code="context_length_exceeded")
     p = req.params
     return {"mode": mode, "prompt": text, "messages": req.messages, "prompt_tokens": ids,
             "max_tokens": req.max_tokens, "n_ctx": n_ctx, "temperature": float(p.temperature),

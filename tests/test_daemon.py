@@ -409,51 +409,42 @@ def test_limits_context_body_and_queue(key, tmp_path, solo):
         assert d.stop() == 0
 
 
-def test_client_disconnect_mid_stream_frees_sequence_and_logs_one_line(key, tmp_path, solo):
-    """A client that goes away mid-stream: its sequence is freed, the node serves the
-    next request with the solo bytes, and the log has one line for it, no traceback."""
-    d = Daemon(key, str(tmp_path / "data"))
-    try:
-        stream = d.client.completions.create(model=d.model, prompt="Tell me a very long story:", max_tokens=400,
-                                             stream=True)
-        for i, _ in enumerate(stream):
-            if i == 3:
-                break
-        stream.close()
-        end = time.time() + 30
-        while time.time() < end and json.loads(d.get("/health").read())["active"]:
-            time.sleep(0.2)
-        assert json.loads(d.get("/health").read())["active"] == 0
-        assert send(d, "prompt", "Once upon a time", 3) == solo("prompt", "Once upon a time", 3)
-    finally:
-        assert d.stop() == 0
-    err = d.proc.stderr.read()
-    assert "went away mid-stream" in err and "Traceback" not in err, err[-3000:]
+def _wait_active(d, n: int, seconds: float) -> int:
+    """Poll /health until ``n`` requests are active or ``seconds`` pass; the last count."""
+    end = time.time() + seconds
+    while (active := json.loads(d.get("/health").read())["active"]) != n and time.time() < end:
+        time.sleep(0.05)
+    return active
 
 
-def test_client_that_hangs_up_before_the_answer_frees_its_slot(key, tmp_path, solo):
-    """A non-streamed request whose client closes the connection is cancelled at
-    once: with one batch slot and no queue, the next request is served (not 429)
-    long before the first could have finished, with the solo bytes."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_that_goes_away_frees_its_slot_and_logs_one_line(key, tmp_path, solo, stream):
+    """A client that closes its connection mid-stream or before a plain answer:
+    its job is cancelled at once, so with one batch slot and no queue the next
+    request is served (not 429) long before the first could have finished, with
+    the solo bytes; the log has one line for it, no traceback."""
     d = Daemon(key, str(tmp_path / "data"), "--max-batch", "1", "--max-queue", "0")
     try:
-        body = json.dumps({"prompt": "Tell me a very long story:", "max_tokens": 400}).encode()
-        with socket.create_connection(("127.0.0.1", d.port)) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            end = time.time() + 30
-            while time.time() < end and not json.loads(d.get("/health").read())["active"]:
-                time.sleep(0.05)
-            assert json.loads(d.get("/health").read())["active"] == 1
-        end = time.time() + 10
-        while time.time() < end and json.loads(d.get("/health").read())["active"]:
-            time.sleep(0.1)
-        assert json.loads(d.get("/health").read())["active"] == 0
+        if stream:
+            events = d.client.completions.create(model=d.model, prompt="Tell me a very long story:",
+                                                 max_tokens=400, stream=True)
+            for i, _ in enumerate(events):
+                if i == 3:
+                    break
+            events.close()
+        else:
+            body = json.dumps({"prompt": "Tell me a very long story:", "max_tokens": 400}).encode()
+            with socket.create_connection(("127.0.0.1", d.port)) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                assert _wait_active(d, 1, 30) == 1
+        assert _wait_active(d, 0, 10) == 0
         assert send(d, "prompt", "Once upon a time", 3) == solo("prompt", "Once upon a time", 3)
     finally:
         assert d.stop() == 0
     err = d.proc.stderr.read()
-    assert "went away before the answer" in err and "Traceback" not in err, err[-3000:]
+    why = "went away mid-stream" if stream else "went away before the answer"
+    assert why in err and "Traceback" not in err, err[-3000:]
 
 
 def test_port_zero_banner_names_the_bound_port(key, tmp_path):

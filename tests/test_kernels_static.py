@@ -1,8 +1,9 @@
 """CUDA sources: no atomics in the text; with nvcc for sm_90 (the pinned
 options): no register spills and no atom/red instruction in PTX or SASS; and
 the cubins the node itself builds with NVRTC (no GPU needed to compile): no
-atom/red instruction, no stack or local memory, and a compile error is one
-GpuError line."""
+atom/red instruction, no stack or local memory, every kernel waiting for the
+previous grid before it touches memory, and a compile error is one GpuError
+line."""
 
 import os
 import re
@@ -91,46 +92,31 @@ def test_nvcc_no_spills_no_atomic_instructions(tmp_path, name):
     r = subprocess.run([NVCC, "-ptx", *NVCC_OPTS, "-I", CUDA, "-o", str(ptx), src], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert not re.search(r"\b(atom|red)\.", ptx.read_text())
-    _assert_sass_atomic_free(cubin)
+    _assert_sass_atomic_free(_sass(cubin))
 
 
-def _assert_sass_atomic_free(cubin):
+def _sass(cubin) -> str:
+    """The cubin's SASS as cuobjdump prints it."""
     tool, env = _cuobjdump_env()
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, env=env)
-    assert sass.returncode == 0 and "Function" in sass.stdout
-    assert not re.search(SASS_ATOMIC, sass.stdout)
+    assert sass.returncode == 0 and "Function" in sass.stdout, sass.stderr
+    return sass.stdout
 
 
-@pytest.mark.parametrize("name", KERNEL_FILES)
-def test_nvrtc_cubins_are_atomic_free_without_local_memory(tmp_path, name):
-    """The node's own build path (node/backend_cuda.py _nvrtc_compile, pinned options)."""
-    with open(os.path.join(CUDA, name)) as f, open(os.path.join(CUDA, "common.cuh")) as h:
-        cubin_bytes = _nvrtc_compile(name, f.read(), h.read())
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(cubin_bytes)
-    _assert_sass_atomic_free(cubin)
-    tool, env = _cuobjdump_env()
-    res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, env=env)
-    usage = re.findall(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res.stdout)
-    assert res.returncode == 0 and usage, res.stdout + res.stderr
-    assert all(stack == "0" and local == "0" for _, _, stack, local in usage), usage
+def _assert_sass_atomic_free(sass: str):
+    assert not re.search(SASS_ATOMIC, sass)
 
 
 SASS_MEMORY = r"\b(LDG|STG|LDGSTS|LD|ST|UBLKCP|UTMALDG|EXIT|RET)\b"  # global loads/stores, cp.async, exit
 SASS_WAIT = r"\bACQBULK\b"  # griddepcontrol.wait (cuda/common.cuh bx_pdl_wait)
 
 
-def _assert_sass_waits_first(cubin):
-    """Each kernel function of the cubin waits for the previous grid (ACQBULK)
-    before, in address order, its first global load or store, cp.async or exit.
-    Only L2 prefetch hints (CCTL) may come first. This reads the code linearly;
-    a kernel's other paths are covered by the GPU tests."""
-    tool, env = _cuobjdump_env()
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, env=env)
-    assert sass.returncode == 0
-    funcs = re.split(r"\n\s*Function : ", sass.stdout)[1:]
-    assert funcs
-    for f in funcs:
+def _assert_sass_waits_first(sass: str):
+    """Each kernel function waits for the previous grid (ACQBULK) before, in
+    address order, its first global load or store, cp.async or exit. Only L2
+    prefetch hints (CCTL) may come first. This reads the code linearly; a
+    kernel's other paths are covered by the GPU tests."""
+    for f in re.split(r"\n\s*Function : ", sass)[1:]:
         name, code = f.split("\n", 1)
         ops = [ln.split(";")[0] for ln in code.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)]
         first_wait = next((i for i, op in enumerate(ops) if re.search(SASS_WAIT, op)), None)
@@ -140,14 +126,23 @@ def _assert_sass_waits_first(cubin):
 
 
 @pytest.mark.parametrize("name", KERNEL_FILES)
-def test_every_kernel_waits_for_the_previous_grid_first(tmp_path, name):
-    """Kernels are launched with programmatic dependent launch (node/backend_cuda.py
-    PdlKernel): none may touch memory an earlier kernel writes before it waits."""
+def test_nvrtc_cubins_are_atomic_free_wait_first_without_local_memory(tmp_path, name):
+    """The node's own build path (node/backend_cuda.py _nvrtc_compile, pinned
+    options): no atomic, no stack or local memory, and, since kernels are launched
+    with programmatic dependent launch (node/backend_cuda.py PdlKernel), none
+    touches memory an earlier kernel writes before it waits for that kernel."""
     with open(os.path.join(CUDA, name)) as f, open(os.path.join(CUDA, "common.cuh")) as h:
         cubin_bytes = _nvrtc_compile(name, f.read(), h.read())
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(cubin_bytes)
-    _assert_sass_waits_first(cubin)
+    sass = _sass(cubin)
+    _assert_sass_atomic_free(sass)
+    _assert_sass_waits_first(sass)
+    tool, env = _cuobjdump_env()
+    res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, env=env)
+    usage = re.findall(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res.stdout)
+    assert res.returncode == 0 and usage, res.stdout + res.stderr
+    assert all(stack == "0" and local == "0" for _, _, stack, local in usage), usage
 
 
 @pytest.mark.parametrize("body", ["o[0] = 1.0f; bx_pdl_wait();", "if (o[1] > 0.0f) return; bx_pdl_wait(); o[0] = 1.0f;",
@@ -159,8 +154,8 @@ def test_the_wait_check_catches_early_access(tmp_path, body):
     src = '#include "common.cuh"\nextern "C" __global__ void k(float* o) { %s }' % body
     cubin = tmp_path / "planted.cubin"
     cubin.write_bytes(_nvrtc_compile("planted.cu", src, header))
-    with pytest.raises(AssertionError):
-        _assert_sass_waits_first(cubin)
+    with pytest.raises(AssertionError, match="before griddepcontrol.wait|no griddepcontrol.wait"):
+        _assert_sass_waits_first(_sass(cubin))
 
 
 @pytest.mark.parametrize("body", ["atomicAdd(o + 1, 1.0f);", "o[2] = atomicAdd(o + 1, 1.0f);",
@@ -169,8 +164,9 @@ def test_the_sass_check_catches_planted_atomics(tmp_path, body):
     """The SASS check can fail: global (REDG, ATOMG) and shared (ATOMS) atomics are flagged."""
     cubin = tmp_path / "planted.cubin"
     cubin.write_bytes(_nvrtc_compile("planted.cu", 'extern "C" __global__ void k(float* o) { %s }' % body, ""))
+    sass = _sass(cubin)
     with pytest.raises(AssertionError):
-        _assert_sass_atomic_free(cubin)
+        _assert_sass_atomic_free(sass)
 
 
 def test_nvrtc_compile_error_is_one_gpu_error_line():
