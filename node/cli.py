@@ -339,7 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _interrupted(signum, frame):
-    raise KeyboardInterrupt
+    """SIGINT / SIGTERM: stop as on Ctrl-C; signals after the first do nothing,
+    so the cleanup that follows is not interrupted again."""
+    if not _interrupted.seen:
+        _interrupted.seen = True
+        raise KeyboardInterrupt
+
+
+_interrupted.seen = False
 
 
 def main(argv=None) -> int:
@@ -347,9 +354,13 @@ def main(argv=None) -> int:
         if sys.stderr is not None:
             print("bitexact: error: standard output is closed", file=sys.stderr)
         return EXIT_INPUT
+    for f in (sys.stdout, sys.stderr):   # a locale that cannot encode the text (LANG=C): escapes, no traceback
+        if hasattr(f, "reconfigure"):
+            f.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     if args.fn is not cmd_serve:   # serve drains on SIGTERM itself; the others stop as on SIGINT
         signal.signal(signal.SIGTERM, _interrupted)
+        signal.signal(signal.SIGINT, _interrupted)
     try:
         code = args.fn(args)
         sys.stdout.flush()   # inside the try: a closed pipe is reported here, not at interpreter exit
@@ -368,7 +379,13 @@ def main(argv=None) -> int:
         return EXIT_INPUT
     except KeyboardInterrupt:
         print("bitexact: interrupted", file=sys.stderr)
-        return 130
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(130)   # not through interpreter shutdown, which restores SIGINT's default: another
+        #                 Ctrl-C in that window would kill the process instead of exiting 130
 
 
 if __name__ == "__main__":

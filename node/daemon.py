@@ -54,9 +54,14 @@ class OneLineErrors(logging.Filter):
 ONE_LINE_ERRORS = OneLineErrors()
 # OpenAI request fields this node does not implement, with their neutral value
 # (absent, null, false, 0, empty or this value is accepted; anything else is a 400).
+# Sampler extensions other OpenAI-compatible servers take (llama.cpp server, vLLM) are refused alike.
 UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": None, "suffix": None, "best_of": 1,
                "presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "tools": None,
-               "functions": None, "response_format": None}
+               "functions": None, "response_format": None, "repetition_penalty": 1, "repeat_penalty": 1,
+               "min_p": None, "typical_p": 1, "tfs_z": 1, "top_a": None, "mirostat": None,
+               "dynatemp_range": None, "xtc_probability": None, "dry_multiplier": None, "min_tokens": None,
+               "ignore_eos": None, "grammar": None, "json_schema": None, "guided_json": None,
+               "guided_regex": None, "guided_choice": None, "n_probs": None}
 
 
 class ApiError(Exception):

@@ -91,14 +91,23 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
     """
     req.validate()
     if req.messages is not None:
-        text = tok.render_chat(req.messages)
-        ids = tok.encode(text, special=True)
-        mode = "chat"
+        for m in req.messages:
+            found = tok.control_tokens(m["role"] + m["content"])
+            if found:
+                raise RequestError(f"a chat message contains the model's control token {found[0]!r}; "
+                                   "messages are text, the chat template adds the control tokens", "messages")
+        text, mode = tok.render_chat(req.messages), "chat"
     else:
-        text, ids, mode = req.prompt, tok.encode(req.prompt), "prompt"
+        text, mode = req.prompt, "prompt"
+    param = "prompt" if mode == "prompt" else "messages"
+    least = tok.min_tokens(text, special=mode == "chat")
+    if least >= n_ctx:     # refused before tokenizing, whose cost grows with the text
+        raise RequestError(f"the prompt is at least {least} tokens; the context holds {n_ctx} (one must stay free)",
+                           param=param, code="context_length_exceeded")
+    ids = tok.encode(text, special=mode == "chat")
     if len(ids) >= n_ctx:
         raise RequestError(f"the prompt is {len(ids)} tokens; the context holds {n_ctx} (one must stay free)",
-                           param="prompt" if mode == "prompt" else "messages", code="context_length_exceeded")
+                           param=param, code="context_length_exceeded")
     p = req.params
     return {"mode": mode, "prompt": text, "messages": req.messages, "prompt_tokens": ids,
             "max_tokens": req.max_tokens, "n_ctx": n_ctx, "temperature": float(p.temperature),

@@ -98,11 +98,16 @@ def file_sha256(path: str) -> str:
 
 
 def _field(reader, key, default=None):
+    """The value of metadata ``key`` (``default`` when absent); raises :class:`ModelError`
+    when a string in it is not UTF-8 (GGUF strings are UTF-8: GGUF spec, "Standardized
+    key-value pairs")."""
     f = reader.fields.get(key)
     if f is None:
         return default
-    v = f.contents()
-    return v
+    try:
+        return f.contents()
+    except UnicodeDecodeError:
+        raise ModelError(f"GGUF metadata key {key} holds a string that is not UTF-8") from None
 
 
 def load_model(path: str) -> Model:
@@ -183,6 +188,8 @@ def load_model(path: str) -> Model:
         raise ModelError(f"inconsistent head layout: n_embd={n_embd} n_head={n_head} "
                          f"n_head_kv={n_head_kv} head_dim={head_dim}")
 
+    if n_layer * len(_LAYER_TENSORS) > len(tensors):
+        raise ModelError(f"GGUF metadata says {n_layer} layers; the file holds {len(tensors)} tensors")
     required = ["token_embd.weight", "output_norm.weight"]
     required += [f"blk.{i}.{n}.weight" for i in range(n_layer) for n in _LAYER_TENSORS]
     for name in required:
@@ -205,7 +212,7 @@ def load_model(path: str) -> Model:
     tied = "output.weight" not in tensors
     metadata = {k: _field(reader, k) for k in ("general.name", "tokenizer.chat_template",
                                                 "tokenizer.ggml.eos_token_id",
-                                                "tokenizer.ggml.bos_token_id")}
+                                                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.token_type")}
     return Model(path=os.path.abspath(path), sha256=file_sha256(path), arch=arch, hparams=hp,
                  tensors=tensors, metadata=metadata, tied_output=tied)
 

@@ -53,8 +53,8 @@ def write_model(path: str, shape: str | tuple = "tiny", qtype: str = "Q8_0", see
     (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) is used for every matrix
     (K-quant matrices whose K is not a multiple of 256 are written as Q8_0);
     ``n_layer`` overrides the layer count (for truncated big shapes);
-    ``metadata`` replaces ``llama.*`` keys (int, float or str values; for
-    tests of malformed files).
+    ``metadata`` replaces metadata keys (int, float, str or bytes values, bytes
+    being a string's raw bytes; for tests of malformed files).
     """
     import gguf
 
@@ -76,6 +76,9 @@ def write_model(path: str, shape: str | tuple = "tiny", qtype: str = "Q8_0", see
     w.add_vocab_size(n_vocab)
     for key, val in (metadata or {}).items():
         w.kv_data[0].pop(key, None)
+        if isinstance(val, bytes):   # a string's raw bytes, e.g. not UTF-8
+            w.add_key_value(key, val, gguf.GGUFValueType.STRING)
+            continue
         add = w.add_string if isinstance(val, str) else w.add_float32 if isinstance(val, float) else w.add_uint32
         add(key, val)
 

@@ -329,8 +329,10 @@ def test_run_refuses_to_replace_what_is_not_a_plain_output_file(enc_key, tmp_pat
     assert listing(cwd) == []
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_run_interrupted_is_exit_130_and_writes_nothing(art, cwd, sig):
+@pytest.mark.parametrize("sigs", [["SIGINT"], ["SIGTERM"], ["SIGTERM", "SIGTERM"], ["SIGINT", "SIGTERM", "SIGINT"]])
+def test_run_interrupted_is_exit_130_and_writes_nothing(art, cwd, sigs):
+    """One signal or several back to back (an impatient user, `timeout` escalating):
+    one line, exit 130."""
     import signal
     import subprocess
     import time
@@ -345,7 +347,8 @@ def test_run_interrupted_is_exit_130_and_writes_nothing(art, cwd, sig):
             if model in f.read():
                 break
         time.sleep(0.1)
-    p.send_signal(getattr(signal, sig))
+    for sig in sigs:
+        p.send_signal(getattr(signal, sig))
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130 and err.decode() == "bitexact: interrupted\n", (p.returncode, err)
     assert listing(cwd) == []
@@ -374,6 +377,20 @@ def test_an_unwritable_stdout_is_one_error_line(art, stdout):
     err = p.stderr.decode()
     assert p.returncode == 2 and err.count("\n") == 1 and err.startswith("bitexact: error: "), err
     assert ("No space left" in err) if stdout == "full" else ("closed" in err), err
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_text_the_locale_cannot_encode_is_escaped(art, tmp_path, as_json):
+    """`inspect` of an attestation whose output text is not ASCII, under an ASCII-only
+    stdout encoding: the text comes out with backslash escapes, exit 0."""
+    import subprocess
+    from test_attest import cli_env
+    write(tmp_path / "u.bxa", sign_raw(_payload_with(art, ("output", "text"), "café 中"), art.private_key()))
+    p = subprocess.run([sys.executable, "-m", "node.cli", "inspect", *(["--json"] if as_json else []),
+                        str(tmp_path / "u.bxa")], env={**cli_env(), "PYTHONIOENCODING": "ascii"},
+                       capture_output=True, timeout=120)
+    assert p.returncode == 0 and p.stderr == b"", p.stderr
+    assert b"caf\\xe9 \\u4e2d" in p.stdout, p.stdout
 
 
 def test_a_closed_stdout_pipe_is_exit_141_without_a_traceback(art):

@@ -240,6 +240,9 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (json.dumps({"prompt": "hi", "logprobs": 5}).encode(), 400, "logprobs"),
     (json.dumps({"prompt": "hi", "echo": True}).encode(), 400, "echo"),
     (json.dumps({"prompt": "hi", "best_of": 3}).encode(), 400, "best_of"),
+    (json.dumps({"prompt": "hi", "repetition_penalty": 1.3}).encode(), 400, "repetition_penalty"),
+    (json.dumps({"prompt": "hi", "min_p": 0.05}).encode(), 400, "min_p"),
+    (json.dumps({"prompt": "hi", "ignore_eos": True}).encode(), 400, "ignore_eos"),
 ])
 def test_bad_completion_requests(daemon, body, status, param):
     code, err = daemon.post_raw("/v1/completions", body)

@@ -143,7 +143,10 @@ def test_engine_rejects_a_bad_context_length(n_ctx):
                                       "{{ messages[0]['content'] / 0 }}", "{% for %}", "{{ x.y.z() }}",
                                       "{{ ''.__class__.__mro__ }}",
                                       "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
-                                      "{% endfor %}"])
+                                      "{% endfor %}",
+                                      '{% for a in "x"*100000 %}{% for b in "x"*100000 %}{% endfor %}{% endfor %}',
+                                      '{{ "x"*100000000 }}', "{{ [1]*10**8 }}", "{{ 2**100000000 }}",
+                                      "{{ (10**10)**(10**10) }}"])
 def test_a_failing_chat_template_is_one_request_error(template):
     """The chat template is code from the model file: any failure, including
     the sandbox refusing an attribute, is a one-line RequestError."""

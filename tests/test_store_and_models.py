@@ -58,6 +58,9 @@ def test_store_refuses_a_table_of_another_shape(tmp_path):
     ({"llama.rope.freq_base": 1e-30}, "freq_base has an invalid value"),
     ({"llama.attention.layer_norm_rms_epsilon": "1e-5"}, "not a number"),
     ({"llama.block_count": 0}, "block_count has an invalid value"),
+    ({"llama.block_count": 50_000_000}, "says 50000000 layers; the file holds"),
+    ({"general.name": b"\xff\xfeabc"}, "general.name holds a string that is not UTF-8"),
+    ({"general.architecture": b"\xffllama"}, "general.architecture holds a string that is not UTF-8"),
     ({"llama.feed_forward_length": 100}, "hyperparameters say 100x64"),
     ({"llama.embedding_length": 96}, "head layout"),
 ])
