@@ -69,6 +69,13 @@ def device_record(engine: Engine) -> dict:
     return {"cpu": cpu_name(), "machine": platform.machine(), "python": platform.python_version()}
 
 
+def model_record(m) -> dict:
+    """The payload's ``model`` map for model ``m`` (docs/attestation.md): its SHA-256,
+    architecture, quant types and name (``general.name``, else the file's name)."""
+    return {"sha256": m.sha256, "architecture": m.arch, "quant_types": m.quant_types,
+            "name": str(m.metadata.get("general.name") or os.path.basename(m.path))}
+
+
 def build_payload(result: Result, engine: Engine, public_raw: bytes) -> dict:
     """The attestation payload for ``result`` (docs/attestation.md, "Payload")."""
     m = engine.model
@@ -79,8 +86,7 @@ def build_payload(result: Result, engine: Engine, public_raw: bytes) -> dict:
                    "reference_sha256": reference_sha256()},
         "backend": engine.device,
         "device": device_record(engine),
-        "model": {"sha256": m.sha256, "architecture": m.arch, "quant_types": m.quant_types,
-                  "name": str(m.metadata.get("general.name") or os.path.basename(m.path))},
+        "model": model_record(m),
         "request": result.request,
         "output": {"tokens": result.tokens, "text": result.text, "finish_reason": result.finish_reason,
                    "step_chain": result.step_chain, "digest": result.digest},

@@ -495,6 +495,16 @@ def test_verify_unknown_envelope_version(art, tmp_path):
     assert "unknown attestation format version 2" in assert_input_error(bx(tmp_path, "verify", "v.bxa"))
 
 
+@pytest.mark.parametrize("field,value", [("architecture", "gpt2"), ("quant_types", ["F64"]),
+                                         ("name", "totally-not-smollm")])
+def test_verify_fails_a_model_description_the_file_contradicts(art, tmp_path, field, value):
+    """The signed payload's model fields must describe the model file, not only its digest."""
+    write(tmp_path / "m.bxa", sign_raw(_payload_with(art, ("model", field), value), art.private_key()))
+    p = bx(tmp_path, "verify", "m.bxa")
+    assert p.returncode == 1 and p.stdout.strip() == (
+        f"FAIL: the attested model description differs from the model file (fields ['{field}'])"), p.stdout
+
+
 @pytest.mark.parametrize("field,message", [("format_version", "unknown payload format version 2"),
                                            ("contract_version", "unknown determinism-contract version 2")])
 def test_verify_unknown_payload_versions(art, tmp_path, field, message):

@@ -14,6 +14,7 @@ from node.engine import Engine
 from node.errors import AttestationError, ModelError, RequestError
 from node.generate import Request, build_request, generate, params_of
 from node.gguf_model import default_model_path, load_model
+from node.provenance import model_record
 from node.tokenizer import Tokenizer
 
 
@@ -50,6 +51,13 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
     want = payload["model"]["sha256"]
     if model.sha256 != want:
         raise ModelError(f"model digest differs: the attestation names {want}, {model.path} is {model.sha256}")
+    described = model_record(model)
+    if not model.metadata.get("general.name"):   # the name is then the file's, which may differ here
+        described["name"] = payload["model"]["name"]
+    wrong = sorted(k for k in described if payload["model"].get(k) != described[k])
+    if wrong:
+        return Report(False, payload, f"FAIL: the attested model description differs from the model file "
+                                      f"(fields {wrong})")
     rec = payload["request"]
     if not 0 < rec["n_ctx"] <= model.hparams.n_ctx_train:
         raise RequestError(f"the attested context length {rec['n_ctx']} is outside 1..{model.hparams.n_ctx_train}, "
