@@ -71,10 +71,11 @@ class Tokenizer:
 
     def min_tokens(self, text: str, special: bool = False) -> int:
         """A lower bound of ``len(encode(text, special))`` found without tokenizing:
-        no token stands for more than :attr:`max_piece_bytes` bytes, and (special)
-        each control-token text is one token."""
-        n = -(-len(text.encode("utf-8")) // self.max_piece_bytes)
-        return max(n, len(self.control_tokens(text))) if special else n
+        no token stands for more than :attr:`max_piece_bytes` bytes; with
+        ``special``, each control-token text is one token and the text between
+        them is tokenized piece by piece (llama.cpp splits there first)."""
+        pieces = self._control.split(text) if special and self._control else [text]
+        return len(pieces) - 1 + sum(-(-len(p.encode("utf-8")) // self.max_piece_bytes) for p in pieces)
 
     def encode(self, text: str, special: bool = False) -> list[int]:
         """Token ids for ``text`` (UTF-8), with BOS when the GGUF asks for it.

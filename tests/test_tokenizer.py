@@ -83,16 +83,21 @@ def test_min_tokens_never_exceeds_the_token_count(tok, parts, special):
     assert tok.min_tokens(text, special) <= len(tok.encode(text, special))
 
 
-@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("chat", [False, True, "split"])
 def test_an_overlong_prompt_is_refused_before_tokenizing(tok, monkeypatch, chat):
-    """30,000 chat messages (60,000 control tokens) or a 1 MB prompt: refused from the
-    bound alone, so no request ties up the tokenizer for seconds."""
+    """5,000 chat messages (10,000 control tokens), 3,000 (6,000 control tokens, but
+    12,000 pieces with the text between them) or a 1 MB prompt: refused from the bound
+    alone, so no request ties up the tokenizer for seconds."""
     monkeypatch.setattr(tok, "encode", lambda *a, **k: pytest.fail("tokenized an overlong prompt"))
-    req = (Request(prompt=None, messages=[{"role": "user", "content": "a"}] * 30000, max_tokens=1) if chat
+    n = 5000 if chat is True else 3000
+    req = (Request(prompt=None, messages=[{"role": "user", "content": "a"}] * n, max_tokens=1) if chat
            else Request(prompt="a " * 500_000, max_tokens=1))
     with pytest.raises(RequestError, match="the prompt is at least") as e:
         build_request(req, tok, 8192)
     assert e.value.code == "context_length_exceeded" and e.value.param == ("messages" if chat else "prompt")
+    if chat == "split":
+        assert len(tok.control_tokens(tok.render_chat(req.messages))) < 8192 <= tok.min_tokens(
+            tok.render_chat(req.messages), True)
 
 
 def test_decoding_does_not_wait_for_encoding(tok):
