@@ -57,11 +57,14 @@ def read_passphrase(path: str | None) -> bytes | None:
 
 def env_passphrase(name: str = "BITEXACT_KEY_PASSPHRASE") -> bytes | None:
     """Passphrase bytes from environment variable ``name``, as the OS holds them
-    (any bytes, not only UTF-8; at most 1023), or None when unset or empty.
-    Raises :class:`KeyError_`."""
+    (any bytes, not only UTF-8; at most 1023), or None when unset. Raises
+    :class:`KeyError_` when it is set but empty (as for an empty passphrase
+    file: a key meant to be encrypted must not be written in the clear)."""
     value = os.environ.get(name)
-    if not value:
+    if value is None:
         return None
+    if not value:
+        raise KeyError_(f"{name} is set but empty (unset it for a key without a passphrase)")
     data = os.fsencode(value)
     if len(data) > MAX_PASSPHRASE:
         raise KeyError_(f"{name} holds more than {MAX_PASSPHRASE} bytes")

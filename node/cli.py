@@ -358,9 +358,10 @@ def main(argv=None) -> int:
         if hasattr(f, "reconfigure"):
             f.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
-    if args.fn is not cmd_serve:   # serve drains on SIGTERM itself; the others stop as on SIGINT
-        signal.signal(signal.SIGTERM, _interrupted)
-        signal.signal(signal.SIGINT, _interrupted)
+    # Every command stops as on Ctrl-C (even when started with SIGINT ignored); serve, once
+    # it listens, drains on SIGTERM and SIGINT instead (aiohttp's handlers replace these).
+    signal.signal(signal.SIGTERM, _interrupted)
+    signal.signal(signal.SIGINT, _interrupted)
     try:
         code = args.fn(args)
         sys.stdout.flush()   # inside the try: a closed pipe is reported here, not at interpreter exit

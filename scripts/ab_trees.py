@@ -10,9 +10,11 @@ step's logits is reported per tree and batch, and a mismatch exits 1.
     python scripts/ab_trees.py --out ab.json [--shape llama-8b] [--layers 4] [--qtype BF16]
         [--batches 1 8 32] [--rounds 2] TREE [TREE ...]
 
+The model is written once to the temporary folder (``ab-SHAPE-NL-QTYPE.gguf``;
+3.8 GB for the default 4-layer 8B slice in BF16) and reused by later runs.
 Output: JSON with, per tree, the median over rounds of GPU ms per step at each
 batch size, every round's figure and the digests. Exit codes: 0 all trees
-agree, 1 a digest differs, 2 bad arguments.
+agree, 1 a digest differs or a tree's run failed, 2 bad arguments or no GPU.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ def main() -> int:
     bad = [t for t in args.trees if not os.path.isfile(os.path.join(t, "node", "engine.py"))]
     if bad:
         print(f"ab_trees: not a source tree: {', '.join(bad)}", file=sys.stderr)
+        return 2
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no CuPy, no driver or no GPU: the same answer
+        print(f"ab_trees: needs a GPU with CuPy (pip install -e '.[cuda]'): {type(e).__name__}: {e}",
+              file=sys.stderr)
         return 2
     sys.path.insert(0, ROOT)
     from node.synth import write_model

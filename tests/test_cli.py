@@ -116,6 +116,8 @@ def test_env_passphrase_is_the_environment_bytes(tmp_path):
     before = listing(tmp_path)
     p = bx(tmp_path, "keygen", "--out", "long.pem", env={"BITEXACT_KEY_PASSPHRASE": "a" * 1024})
     assert "BITEXACT_KEY_PASSPHRASE holds more than 1023 bytes" in assert_input_error(p)
+    p = bx(tmp_path, "keygen", "--out", "empty.pem", env={"BITEXACT_KEY_PASSPHRASE": ""})
+    assert "BITEXACT_KEY_PASSPHRASE is set but empty" in assert_input_error(p)
     assert listing(tmp_path) == before
 
 
