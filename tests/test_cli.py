@@ -56,6 +56,13 @@ def enc_key(tmp_path_factory):
 # --------------------------------------------------------------------------
 # keygen
 
+def test_version_and_a_missing_command(tmp_path):
+    from node import __version__
+    p = bx(tmp_path, "--version")
+    assert p.returncode == 0 and p.stdout == f"bitexact {__version__}\n", (p.stdout, p.stderr)
+    assert "the following arguments are required: command" in assert_input_error(bx(tmp_path))
+
+
 def test_keygen_writes_private_0600_and_public(tmp_path):
     p = bx(tmp_path, "keygen", "--out", "KEY.pem")
     assert p.returncode == 0, p.stderr
