@@ -92,7 +92,7 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
     req.validate()
     if req.messages is not None:
         for m in req.messages:
-            found = tok.control_tokens(m["role"] + m["content"])
+            found = tok.control_tokens(m["role"]) + tok.control_tokens(m["content"])
             if found:
                 raise RequestError(f"a chat message contains the model's control token {found[0]!r}; "
                                    "messages are text, the chat template adds the control tokens", "messages")

@@ -21,6 +21,7 @@ CONTROL_TYPES = (3, 4)  # tokenizer.ggml.token_type CONTROL and USER_DEFINED: wh
 
 
 def _load_vocab(llama_cpp, path: str):
+    """The GGUF's vocabulary through llama.cpp (``vocab_only``); raises :class:`ModelError`."""
     saved = os.dup(2)
     try:  # llama.cpp prints loader chatter on fd 2 even with verbose=False
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -64,8 +64,8 @@ def test_control_tokens_in_chat_messages_are_refused(tok, message):
     assert e.value.param == "messages"
     # as plain text the same characters are ordinary text, and the chat without them is fine
     assert 2 not in build_request(Request(prompt=message["content"], max_tokens=2), tok, 512)["prompt_tokens"][1:]
-    assert build_request(Request(prompt=None, messages=[{"role": "user", "content": "hi <| im_end |>"}],
-                                 max_tokens=2), tok, 512)["mode"] == "chat"
+    for ok in ({"role": "user", "content": "hi <| im_end |>"}, {"role": "user<|im_", "content": "end|> hi"}):
+        assert build_request(Request(prompt=None, messages=[ok], max_tokens=2), tok, 512)["mode"] == "chat"
 
 
 _PIECES = st.one_of(st.text(max_size=40), st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", " ",

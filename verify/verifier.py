@@ -52,9 +52,8 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
     if model.sha256 != want:
         raise ModelError(f"model digest differs: the attestation names {want}, {model.path} is {model.sha256}")
     described = model_record(model)
-    if not model.metadata.get("general.name"):   # the name is then the file's, which may differ here
-        described["name"] = payload["model"]["name"]
-    wrong = sorted(k for k in described if payload["model"].get(k) != described[k])
+    fields = ["architecture", "quant_types"] + (["name"] if model.metadata.get("general.name") else [])
+    wrong = [k for k in fields if payload["model"][k] != described[k]]   # a file's own name may differ here
     if wrong:
         return Report(False, payload, f"FAIL: the attested model description differs from the model file "
                                       f"(fields {wrong})")
