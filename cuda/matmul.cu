@@ -411,11 +411,6 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 // Tile constants, chosen by timing variants on one NVIDIA H200 over the 8B
 // shapes at batch 1, 8 and 32 (scripts/tune_matmul.py compiles variants with
 // -D; docs/benchmarks.md); none changes any sum. The node compiles the defaults.
-// MF_ROT is a layout constant: step j (the warp's j-th span of chunks) of a
-// weight row n lies at step (j + (n / MF_ROWS) * MF_ROT) mod nj of the stored
-// row (node/backend_cuda.py rotate_steps), so that warps running in step
-// with each other read different offsets of their rows; the order of every
-// sum is unchanged.
 #ifndef MF_WARPS
 #define MF_WARPS 8   // warps per block (node/backend_cuda.py MF_WARPS)
 #endif
@@ -430,9 +425,6 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 #endif
 #ifndef MF_PF
 #define MF_PF 2048   // bytes per weight row hinted into L2 before the previous kernel ends (<= 4096)
-#endif
-#ifndef MF_ROT
-#define MF_ROT 0     // row n's steps are stored rotated by ((n / MF_ROWS) * MF_ROT) mod nj (node/backend_cuda.py)
 #endif
 
 template <int WT, int V>
@@ -506,9 +498,6 @@ __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict
     for (int r = 0; r < MF_ROWS; ++r)
         rows[r] = W + (size_t)min(n0 + r, N - 1) * (lanes * (K >> 5)) * (WT == BX_F32 ? 4 : 2);
     int nj = (K >> 5) / V;
-#if MF_ROT
-    int rot = n0 / MF_ROWS * MF_ROT % nj;  // the stored step of step 0 of the (sub-)warp's rows
-#endif
     int xlane = lane0 + l;  // the contract lane whose x chunks this sub-lane reads
     float acc[MF_ROWS][MQ_TM];
 #pragma unroll
@@ -518,17 +507,10 @@ __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict
     for (int j0 = 0; j0 < nj; j0 += C::U) {
         C w[MF_ROWS][C::U];
 #pragma unroll
-        for (int u = 0; u < C::U; ++u) {
-#if MF_ROT
-            int js = j0 + u + rot;
-            js = js < nj ? js : js - nj;
-#else
-            int js = j0 + u;
-#endif
+        for (int u = 0; u < C::U; ++u)
 #pragma unroll
             for (int r = 0; r < MF_ROWS; ++r)
-                if (j0 + u < nj) w[r][u].load(rows[r], js * lanes + l);
-        }
+                if (j0 + u < nj) w[r][u].load(rows[r], (j0 + u) * lanes + l);
 #pragma unroll
         for (int u = 0; u < C::U; ++u) {
             if (j0 + u >= nj) break;
@@ -603,15 +585,8 @@ matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
     if (live) {  // while the previous kernel runs: the first MF_PF bytes of each of the warp's rows into L2
         int row_bytes = lanes * (K >> 5) * (wtype == BX_F32 ? 4 : 2);
         for (int r = 0; r < per; ++r)
-            if (lane * 128 < min(MF_PF, row_bytes)) {
-                int n = min(w * per + r, N - 1), at = lane * 128;
-#if MF_ROT  // from the row's stored step 0 (steps of row_bytes / nj bytes)
-                int nj = (K >> 5) / V;
-                at += n / MF_ROWS * MF_ROT % nj * (row_bytes / nj);
-                at = at < row_bytes ? at : at - row_bytes;
-#endif
-                bx_prefetch_l2(W + (size_t)n * row_bytes + at);
-            }
+            if (lane * 128 < min(MF_PF, row_bytes))
+                bx_prefetch_l2(W + (size_t)min(w * per + r, N - 1) * row_bytes + lane * 128);
     }
     bx_pdl_wait();
     if (!live) return;

@@ -33,7 +33,6 @@ KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.c
 # Launch geometry mirrored from cuda/matmul.cu (tests/test_kernels_static.py checks that they agree)
 MQ_TM, MF_WARPS = 8, 8  # tokens and warps per block of matmul_f
 MQ_ROWS, MF_ROWS = 16, 2  # output rows per tile of matmul_q (the MMA's M) / per warp of matmul_f
-MF_ROT = 0  # steps each warp's float weight rows are stored rotated by, per warp index (cuda/matmul.cu)
 MQ_NARROW = 128  # matmul_q launches of fewer row tiles than this split K over 8 warps per tile, others over 4
 ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
 SUPER_BLOCKS = {"Q4_K": 8, "Q6_K": 8}  # 32-element blocks per super-block (ggml k-quants); others: 1
@@ -47,20 +46,6 @@ def mq_split(rows: list[int], lanes: int) -> int:
     changes no sum (the warps' subtrees meet as the tree's top levels)."""
     tiles = sum(-(-r // MQ_ROWS) for r in rows)
     return 8 if tiles < MQ_NARROW and lanes >= 8 else 4
-
-
-def rotate_steps(xp, rows, nj: int, rot: int = MF_ROT, group: int = MF_ROWS):
-    """Float weight rows ``[N, E]`` (lane-major, ``nj`` steps of ``E / nj`` elements)
-    stored as matmul_f reads them: step j of row n at step ``(j + (n // group) *
-    rot) mod nj`` (cuda/matmul.cu MF_ROT, MF_ROWS). ``xp``: numpy or cupy. A
-    permutation within each row; ``rot = 0`` returns ``rows`` itself."""
-    if rot == 0:
-        return rows
-    n = rows.shape[0]
-    shift = (xp.arange(n) // group * rot % nj)[:, None]
-    idx = (xp.arange(nj)[None, :] - shift) % nj        # stored step s holds step (s - shift) mod nj
-    steps = rows.reshape(n, nj, -1)
-    return xp.take_along_axis(steps, idx[:, :, None], axis=1).reshape(rows.shape)
 
 
 def module_ints(mod, name: str, n: int = 1) -> list[int]:
@@ -346,8 +331,7 @@ class CudaBackend:
         raw = np.ascontiguousarray(raw)
         if t.qtype in FLOAT_TYPES:
             elem = raw.view(np.uint32 if ESIZE[t.qtype] == 4 else np.uint16)
-            v = lane_width(t.cols, ESIZE[t.qtype])
-            return Mat(self.cp.asarray(rotate_steps(np, lane_major(elem, v, lanes), t.cols // WARP // v)), rows,
+            return Mat(self.cp.asarray(lane_major(elem, lane_width(t.cols, ESIZE[t.qtype]), lanes)), rows,
                        t.qtype, t.cols, lanes, lane0, b_off, terms)
         # matmul_q's staged copies of the last row may end up to 15 bytes past it
         buf = self.cp.zeros(raw.size + 256, self.cp.uint8)

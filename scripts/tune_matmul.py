@@ -1,9 +1,7 @@
 """Time variants of the matmul_f or matmul_q tiles on the Llama-3.1-8B or SmolLM2-135M product shapes.
 
 Each variant is cuda/matmul.cu compiled with the pinned options plus ``-D``
-overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB, MF_PF, and the layout
-constant MF_ROT, for which the weight copies are stored rotated to match
-(node/backend_cuda.py rotate_steps); matmul_q: MQ_NT, MQ_PF)
+overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB, MF_PF; matmul_q: MQ_NT, MQ_PF)
 and, for matmul_q, ``split=4`` or ``split=8`` warps per tile instead of the
 node's choice (node/backend_cuda.py mq_split); none of them changes any sum.
 matmul_f reads BF16 weights; matmul_q reads the shapes' quantized type (8B:
@@ -73,18 +71,6 @@ def weights(cp, kernel: str, qtype: str, n: int, k: int):
     buf = cp.zeros(w.size + 256, cp.uint8)  # padded as node/backend_cuda.py _upload pads
     buf[:w.size] = w.reshape(-1)
     return buf[:w.size].reshape(n, -1)
-
-
-def stored(wsets, params, k):
-    """The weight copies as a variant reads them: rotated when it sets MF_ROT (matmul_f)."""
-    from node.backend_cuda import rotate_steps
-    from node.reference import lane_width
-
-    if not params.get("MF_ROT"):
-        return wsets
-    import cupy as cp
-    nj = k // 32 // lane_width(k, 2)
-    return [[rotate_steps(cp, w, nj, params["MF_ROT"], params["MF_ROWS"]) for w in ws] for ws in wsets]
 
 
 def time_variant(cp, kernel, fns, params, ns, k, qtype, x, wsets):
@@ -169,7 +155,7 @@ def main() -> int:
             x = cp.random.standard_normal((m, k), dtype=cp.float32)
             first = None
             for name, fns, params in variants:
-                us, out = time_variant(cp, args.kernel, fns, params, ns, k, qtype, x, stored(wsets, params, k))
+                us, out = time_variant(cp, args.kernel, fns, params, ns, k, qtype, x, wsets)
                 first = first or out
                 run = {"shape": shape, "batch": m, "variant": name, "us": round(us, 1),
                        "GB_per_s": round(nbytes / us / 1e3), "same_bytes": out == first}

@@ -66,24 +66,8 @@ def test_launch_constants_mirror_the_sources():
     from node.reference import SPLIT_KV
     for name, file, value in (("MQ_TM", "matmul.cu", bc.MQ_TM), ("MQ_ROWS", "matmul.cu", bc.MQ_ROWS),
                               ("MF_WARPS", "matmul.cu", bc.MF_WARPS), ("MF_ROWS", "matmul.cu", bc.MF_ROWS),
-                              ("MF_ROT", "matmul.cu", bc.MF_ROT),
                               ("SPLIT_KV", "common.cuh", SPLIT_KV)):
         assert _define(name, file) == value, f"{file} {name} = {_define(name, file)}, Python has {value}"
-
-
-@pytest.mark.parametrize("rot", [0, 1, 5])
-def test_rotate_steps_places_each_step_where_matmul_f_reads_it(rot):
-    """Stored step (j + (n / MF_ROWS) * MF_ROT) mod nj of row n holds step j (cuda/matmul.cu
-    bx_matmul_f_rows), for the node's MF_ROT and for the values scripts/tune_matmul.py tries."""
-    import numpy as np
-
-    import node.backend_cuda as bc
-    n, nj, step = 7, 6, 4
-    rows = np.arange(n * nj * step, dtype=np.uint16).reshape(n, nj * step)
-    got = bc.rotate_steps(np, rows, nj, rot).reshape(n, nj, step)
-    for r in range(n):
-        for j in range(nj):
-            assert (got[r, (j + r // bc.MF_ROWS * rot) % nj] == rows.reshape(n, nj, step)[r, j]).all(), (r, j)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in os.listdir(CUDA) if n.endswith((".cu", ".cuh"))))
