@@ -73,7 +73,8 @@ def weights(cp, kernel: str, qtype: str, n: int, k: int):
     return buf[:w.size].reshape(n, -1)
 
 
-def time_variant(cp, kernel, fns, params, ns, k, qtype, x, wsets):
+def time_variant(cp, kernel, fns, params, ns, k, qtype, x, wsets, once=False):
+    """(µs per launch of a replayed graph, output bytes); ``once``: one eager launch, untimed (µs 0)."""
     from node.backend_cuda import QTYPE_IDS, module_ints, mq_split
     from node.reference import lane_terms, lane_width
 
@@ -109,6 +110,8 @@ def time_variant(cp, kernel, fns, params, ns, k, qtype, x, wsets):
     launch(wsets[0])
     cp.cuda.runtime.deviceSynchronize()
     out = b"".join(y.tobytes() for y in ys)
+    if once:
+        return 0.0, out
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()
@@ -130,6 +133,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--kernel", choices=("matmul_f", "matmul_q"), default="matmul_f")
     ap.add_argument("--shapes", choices=tuple(SHAPES), default="8b")
+    ap.add_argument("--once", action="store_true",
+                    help="launch each variant once per product and batch, untimed (to run under a profiler: "
+                         "ncu --clock-control none -k regex:matmul python3 scripts/tune_matmul.py --once ...)")
     ap.add_argument("variants", nargs="+",
                     help="space-separated -D overrides and split=N per variant ('' = the defaults)")
     args = ap.parse_args()
@@ -155,10 +161,10 @@ def main() -> int:
             x = cp.random.standard_normal((m, k), dtype=cp.float32)
             first = None
             for name, fns, params in variants:
-                us, out = time_variant(cp, args.kernel, fns, params, ns, k, qtype, x, wsets)
+                us, out = time_variant(cp, args.kernel, fns, params, ns, k, qtype, x, wsets, args.once)
                 first = first or out
                 run = {"shape": shape, "batch": m, "variant": name, "us": round(us, 1),
-                       "GB_per_s": round(nbytes / us / 1e3), "same_bytes": out == first}
+                       "GB_per_s": round(nbytes / us / 1e3) if us else None, "same_bytes": out == first}
                 report["runs"].append(run)
                 print(json.dumps(run), flush=True)
         del wsets
