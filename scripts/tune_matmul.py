@@ -16,6 +16,10 @@ bytes equal the first variant's.
 
     python scripts/tune_matmul.py --out tune.json -- "" "-DMF_ROWS=1 -DMF_BYTES=64" ...
     python scripts/tune_matmul.py --kernel matmul_q --shapes smollm2 --out tuneq.json -- "" "split=4" "split=8"
+    ncu --clock-control none -k regex:^matmul python scripts/tune_matmul.py --once --out f.json -- ""
+
+``--once`` launches each variant once per product and batch, untimed, for a
+profiler (docs/benchmarks.md has the counters of one such run).
 """
 
 from __future__ import annotations
