@@ -16,6 +16,8 @@ from node.errors import AttestationError
 
 MAX_BYTES = 64 << 20
 MAX_DEPTH = 32  # arrays and maps nested at most this deep (attestations use fewer than 8 levels)
+MAX_ARRAY = 1 << 20  # items of one array (a token list holds at most a context's worth)
+MAX_MAP = 1 << 10  # keys of one map (attestation maps have fixed fields; fewer than 64)
 
 
 def _sorted(obj):
@@ -60,11 +62,14 @@ def _depth(obj) -> int:
 
 def decode(data: bytes, what: str = "data"):
     """Decode canonical msgpack; raises :class:`AttestationError` on malformed,
-    truncated, trailing or non-canonical input, or nesting deeper than :data:`MAX_DEPTH`."""
+    truncated, trailing or non-canonical input, nesting deeper than :data:`MAX_DEPTH`,
+    or an array or map longer than :data:`MAX_ARRAY` / :data:`MAX_MAP` (refused at
+    its header, before its items are read)."""
     if len(data) > MAX_BYTES:
         raise AttestationError(f"{what} is larger than {MAX_BYTES} bytes")
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=_no_dup_pairs)
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=_no_dup_pairs,
+                              max_array_len=MAX_ARRAY, max_map_len=MAX_MAP)
     except msgpack.StackError:  # msgpack's own nesting limit (1024), past ours
         raise AttestationError(f"{what} nests arrays or maps deeper than {MAX_DEPTH} levels") from None
     except Exception as e:

@@ -245,9 +245,10 @@ def cmd_inspect(args) -> int:
         return EXIT_OK
     print("signature: valid (Ed25519, key id %s)" % p["signer"]["key_id"])
 
-    def show(prefix, v):
+    def show(prefix, v):  # keys that are not plain names are quoted, like string values
         if isinstance(v, dict):
             for k, x in v.items():
+                k = k if k.isidentifier() and k.isascii() else repr(k)
                 show(f"{prefix}.{k}" if prefix else k, x)
         elif isinstance(v, list) and v and isinstance(v[0], (dict, list)):
             for i, x in enumerate(v):

@@ -434,6 +434,26 @@ def test_nesting_depth_is_bounded(depth, ok):
             canonical.decode(data)
 
 
+@pytest.mark.parametrize("kind,n,ok", [("array", canonical.MAX_ARRAY, True), ("array", canonical.MAX_ARRAY + 1, False),
+                                       ("map", canonical.MAX_MAP, True), ("map", canonical.MAX_MAP + 1, False),
+                                       ("array", 2 ** 32 - 1, False), ("map", 2 ** 32 - 1, False)])
+def test_array_and_map_lengths_are_bounded_at_their_header(kind, n, ok):
+    """An array or map longer than MAX_ARRAY / MAX_MAP is refused from its header
+    alone: a header claiming 2^32 - 1 items with none behind it fails the same way
+    (not as truncated data), so no item of an oversized container is read."""
+    import msgpack
+    if kind == "array":
+        data = msgpack.packb([0] * n) if ok or n < 2 ** 32 - 1 else b"\xdd" + n.to_bytes(4, "big")
+    else:
+        data = (msgpack.packb({f"k{i:07d}": 0 for i in range(n)}) if ok or n < 2 ** 32 - 1
+                else b"\xdf" + n.to_bytes(4, "big"))
+    if ok:
+        assert len(canonical.decode(data)) == n
+    else:
+        with pytest.raises(AttestationError, match=f"exceeds max_{kind}_len"):
+            canonical.decode(data)
+
+
 _scalars = (st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1)
             | st.floats(allow_nan=False) | st.text(max_size=8) | st.binary(max_size=8))
 _values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)

@@ -537,10 +537,21 @@ def test_verify_with_a_missing_or_bad_model(art, tmp_path, which):
     assert_input_error(bx(tmp_path, "verify", art.bxa, "--model", path))
 
 
-def test_verify_resigned_with_unrunnable_context(art, tmp_path):
-    p = _payload_with(art, ("request", "n_ctx"), 10 ** 11)
-    write(tmp_path / "c.bxa", envelope.seal(p, art.private_key()))
-    assert "context length" in assert_input_error(bx(tmp_path, "verify", "c.bxa"))
+@pytest.mark.parametrize("path,value,why", [
+    (("request", "n_ctx"), 10 ** 11, "context length"),
+    (("request", "max_tokens"), 2 ** 63, "max tokens"),
+    (("request", "top_k"), -1, "top_k"),
+    (("request", "stop"), [""], "stop strings"),
+])
+def test_verify_fails_a_signed_request_the_node_would_refuse(art, tmp_path, path, value, why):
+    """Step 7 (docs/attestation.md): a validly signed request that cannot be
+    rebuilt is a FAIL (exit 1, one line on stdout naming the reason), not a
+    usage error."""
+    write(tmp_path / "c.bxa", envelope.seal(_payload_with(art, path, value), art.private_key()))
+    r = bx(tmp_path, "verify", "c.bxa")
+    assert r.returncode == 1 and r.stderr == "", (r.returncode, r.stdout, r.stderr)
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("FAIL: the attested request cannot be rebuilt: ") and why in lines[0]
 
 
 def test_inspect_and_verify_reject_ext_types_in_a_signed_payload(art, tmp_path):
@@ -660,6 +671,20 @@ def test_inspect_prints_every_field(art, tmp_path):
     assert f"output.digest: '{art.payload['output']['digest'].hex()}'" in lines
 
 
+def test_inspect_quotes_keys_that_are_not_plain_names(art, tmp_path):
+    """A signed map key holding a newline, a terminal escape and a forged field
+    name is printed quoted (repr) on its own line: it can neither add a line
+    nor send control bytes to the terminal."""
+    evil = "cpu\nrequest.prompt: 'forged'\x1b[2K\r"
+    write(tmp_path / "k.bxa", envelope.seal(_payload_with(art, ("device", evil), "x"), art.private_key()))
+    r = bx(tmp_path, "inspect", "k.bxa")
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\r" not in r.stdout
+    assert "request.prompt: 'forged'" not in r.stdout.splitlines()
+    assert f"device.{evil!r}: 'x'" in r.stdout.splitlines()
+    assert len(r.stdout.splitlines()) == 1 + len(list(_dict_leaves(art.payload))) + 1
+
+
 def test_inspect_json(art, tmp_path):
     p = bx(tmp_path, "inspect", "--json", art.bxa)
     assert p.returncode == 0, p.stderr
@@ -727,4 +752,6 @@ def test_inspect_json_and_verify_refuse_a_signed_nan(art, tmp_path):
     write(tmp_path / "nan.bxa", sign_raw(_payload_with(art, ("request", "temperature"), float("nan")),
                                          art.private_key()))
     assert "non-finite" in assert_input_error(bx(tmp_path, "inspect", "nan.bxa", "--json"))
-    assert "temperature" in assert_input_error(bx(tmp_path, "verify", "nan.bxa"))
+    r = bx(tmp_path, "verify", "nan.bxa")          # signed, so step 7 judges it: FAIL, exit 1
+    assert r.returncode == 1 and r.stderr == "", (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.startswith("FAIL: the attested request cannot be rebuilt: temperature")

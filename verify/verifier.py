@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attest.canonical import MAX_BYTES
 from attest.envelope import open_envelope
 from node.engine import Engine
 from node.errors import AttestationError, ModelError, RequestError
@@ -32,7 +33,7 @@ def read_attestation(path: str, trusted_key: bytes | None = None) -> dict:
     """Read and check ``path``; returns the payload. Raises :class:`AttestationError`."""
     try:
         with open(path, "rb") as f:
-            data = f.read((64 << 20) + 1)
+            data = f.read(MAX_BYTES + 1)
     except OSError as e:
         raise AttestationError(f"cannot read attestation {path}: {e.strerror}") from None
     try:
@@ -58,13 +59,16 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
         return Report(False, payload, f"FAIL: the attested model description differs from the model file "
                                       f"(fields {wrong})")
     rec = payload["request"]
-    if not 0 < rec["n_ctx"] <= model.hparams.n_ctx_train:
-        raise RequestError(f"the attested context length {rec['n_ctx']} is outside 1..{model.hparams.n_ctx_train}, "
-                           f"the model's context length")
     tok = Tokenizer(model)
-    req = Request(prompt=rec["prompt"] if rec["mode"] == "prompt" else None, messages=rec["messages"],
-                  max_tokens=rec["max_tokens"], params=params_of(rec), stop=list(rec["stop"]))
-    rebuilt = build_request(req, tok, rec["n_ctx"])
+    try:  # step 7: a request this node would refuse cannot have been run by it
+        if not 0 < rec["n_ctx"] <= model.hparams.n_ctx_train:
+            raise RequestError(f"the context length {rec['n_ctx']} is outside 1..{model.hparams.n_ctx_train}, "
+                               f"the model's context length")
+        req = Request(prompt=rec["prompt"] if rec["mode"] == "prompt" else None, messages=rec["messages"],
+                      max_tokens=rec["max_tokens"], params=params_of(rec), stop=list(rec["stop"]))
+        rebuilt = build_request(req, tok, rec["n_ctx"])
+    except RequestError as e:
+        return Report(False, payload, f"FAIL: the attested request cannot be rebuilt: {e}")
     if rebuilt != rec:
         diff = sorted(k for k in rec if rebuilt.get(k) != rec[k])
         return Report(False, payload, f"FAIL: the request does not re-encode to the attested record (fields {diff})")
