@@ -719,8 +719,11 @@ def test_usage_errors_are_one_line(tmp_path):
     (["--data-dir", "RANDOM_STORE"], "attestation store"),
 ])
 def test_serve_rejects_bad_options_and_foreign_stores(art, tmp_path, args, needle):
-    """A store with another table, a store path that is a folder, and a store
-    file of random bytes each give one error line before any socket opens."""
+    """Bad options give one error line before the model loads; a store with
+    another table, a store path that is a folder, and a store file of random
+    bytes give one error line after the node starts listening (on a free port,
+    so that a daemon already on the default port cannot answer first)."""
+    import socket
     import sqlite3
     db = sqlite3.connect(tmp_path / "attestations.sqlite3")
     db.execute("CREATE TABLE attestations (x)")
@@ -730,6 +733,10 @@ def test_serve_rejects_bad_options_and_foreign_stores(art, tmp_path, args, needl
     (tmp_path / "rnd" / "attestations.sqlite3").write_bytes(hashlib.sha256(b"x").digest() * 256)
     where = {"WRONG_STORE": tmp_path, "DIR_STORE": tmp_path / "dir", "RANDOM_STORE": tmp_path / "rnd"}
     args = [str(where.get(a, a)) for a in args]
+    if "--port" not in args:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args += ["--port", str(s.getsockname()[1])]
     p = bx(tmp_path, "serve", "--key", art.key, "--device", "cpu", *args, timeout=120)
     assert needle in assert_input_error(p)
 
