@@ -1,6 +1,6 @@
-"""The GGUF's own tokenizer through llama.cpp (llama-cpp-python, ``vocab_only``),
-byte-identical to llama.cpp, and chat templates rendered with jinja2 from the
-GGUF key ``tokenizer.chat_template``."""
+"""The GGUF's own tokenizer through llama.cpp (llama-cpp-python, a ``vocab_only``
+model), byte-identical to llama.cpp, and chat templates from the GGUF key
+``tokenizer.chat_template`` (rendered by :mod:`node.template`)."""
 
 from __future__ import annotations
 
@@ -9,25 +9,39 @@ import re
 import sys
 import threading
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-
 from .errors import ModelError, RequestError
 from .gguf_model import Model
+from .template import render_template
 
-TEMPLATE_STEPS = 1_000_000  # Python line events one chat-template rendering may take (about a second)
-TEMPLATE_ITEMS = 1_000_000  # the longest string or list one template expression may build with * or **
 CONTROL_TYPES = (3, 4)  # tokenizer.ggml.token_type CONTROL and USER_DEFINED: what encode(special=True) parses
+_BACKEND = threading.Lock()  # llama_backend_init, once per process
+_backend_ready = False
 
 
 def _load_vocab(llama_cpp, path: str):
-    """The GGUF's vocabulary through llama.cpp (``vocab_only``); raises :class:`ModelError`."""
+    """The GGUF's vocabulary through llama.cpp (a ``vocab_only`` llama_model);
+    raises :class:`ModelError`.
+
+    llama-cpp-python's model wrapper is used rather than its ``Llama`` class,
+    which would also compile every chat template in the file with its own
+    jinja2 environment (whose constant folding a hostile template can make
+    allocate gigabytes); templates are rendered by :mod:`node.template` only.
+    """
+    global _backend_ready
+    from llama_cpp import _internals
+
     saved = os.dup(2)
-    try:  # llama.cpp prints loader chatter on fd 2 even with verbose=False
+    try:  # llama.cpp prints loader chatter on fd 2
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         os.close(devnull)
-        return llama_cpp.Llama(path, vocab_only=True, verbose=False)
+        with _BACKEND:
+            if not _backend_ready:
+                llama_cpp.llama_backend_init()
+                _backend_ready = True
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        return _internals.LlamaModel(path_model=path, params=params, verbose=False)
     except Exception as e:
         raise ModelError(f"cannot load tokenizer from {path}: {e}") from None
     finally:
@@ -106,52 +120,7 @@ class Tokenizer:
         tpl = self.model.metadata.get("tokenizer.chat_template")
         if not tpl:
             raise RequestError("this model has no tokenizer.chat_template; use --prompt")
-        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(msg):
-            raise jinja2.TemplateError(msg)
-
-        env.globals["raise_exception"] = raise_exception
         piece = self.decode_bytes
-        try:
-            return _render_bounded(env.from_string(tpl), messages=messages, add_generation_prompt=True,
-                                   bos_token=piece([self.bos_id]).decode("utf-8", "replace"),
-                                   eos_token=piece([self.eos_id]).decode("utf-8", "replace"))
-        except Exception as e:  # noqa: BLE001 - the template is the model file's code: any failure is bad input
-            raise RequestError(f"chat template failed: {type(e).__name__}: {e}") from None
-
-
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """jinja2's immutable sandbox whose ``*`` and ``**`` refuse results past
-    :data:`TEMPLATE_ITEMS` items or digits before computing them."""
-    intercepted_binops = frozenset(["*", "**"])
-
-    def call_binop(self, context, operator, left, right):
-        seq, num = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
-        if operator == "*" and isinstance(seq, (str, list, tuple)) and isinstance(num, int) \
-                and len(seq) * num > TEMPLATE_ITEMS:
-            raise SecurityError(f"the template builds a sequence of more than {TEMPLATE_ITEMS} items")
-        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
-                and right * abs(left).bit_length() > 4 * TEMPLATE_ITEMS:
-            raise SecurityError(f"the template computes a number of more than {TEMPLATE_ITEMS} digits")
-        return super().call_binop(context, operator, left, right)
-
-
-def _render_bounded(template, **context) -> str:
-    """``template.render(**context)`` stopped after :data:`TEMPLATE_STEPS` Python line
-    events (jinja2 compiles a template to Python, so every loop iteration of it is
-    counted); raises ``jinja2.TemplateError`` then."""
-    left = [TEMPLATE_STEPS]
-
-    def trace(frame, event, arg):
-        left[0] -= 1
-        if left[0] < 0:
-            raise jinja2.TemplateError(f"the template takes more than {TEMPLATE_STEPS} steps")
-        return trace
-
-    saved = sys.gettrace()
-    sys.settrace(trace)
-    try:
-        return template.render(**context)
-    finally:
-        sys.settrace(saved)
+        return render_template(tpl, messages=messages, add_generation_prompt=True,
+                               bos_token=piece([self.bos_id]).decode("utf-8", "replace"),
+                               eos_token=piece([self.eos_id]).decode("utf-8", "replace"))

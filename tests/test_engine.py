@@ -146,10 +146,18 @@ def test_engine_rejects_a_bad_context_length(n_ctx):
                                       "{% endfor %}",
                                       '{% for a in "x"*100000 %}{% for b in "x"*100000 %}{% endfor %}{% endfor %}',
                                       '{{ "x"*100000000 }}', "{{ [1]*10**8 }}", "{{ 2**100000000 }}",
-                                      "{{ (10**10)**(10**10) }}"])
+                                      "{{ (10**10)**(10**10) }}",
+                                      "{{ 'x'|center(3000000000) }}",  # folded by jinja2 while it compiles
+                                      "{% set ns = namespace(s='xxxxxxxx') %}{% for i in range(40) %}"
+                                      "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+                                      "{{ ('x' * 1000000)|replace('x', 'x' * 1000000) }}",
+                                      "{{ '{:>3000000000}'.format('x') }}",
+                                      "{% for i in range(17) %}{{ 'x' * 1000000 }}{% endfor %}"])
 def test_a_failing_chat_template_is_one_request_error(template):
     """The chat template is code from the model file: any failure, including
-    the sandbox refusing an attribute, is a one-line RequestError."""
+    the sandbox refusing an attribute, running out of steps, of the worker's
+    memory or of its output size, is a one-line RequestError, and the next
+    rendering works."""
     from node.errors import RequestError
     from node.gguf_model import default_model_path, load_model
     from node.tokenizer import Tokenizer
@@ -159,6 +167,19 @@ def test_a_failing_chat_template_is_one_request_error(template):
     with pytest.raises(RequestError, match="^chat template failed") as e:
         tok.render_chat([{"role": "user", "content": "hi"}])
     assert "\n" not in str(e.value)
+    model.metadata["tokenizer.chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}!"
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "hi!"
+
+
+def test_a_dead_template_process_is_one_request_error_and_is_replaced():
+    from node import template
+    from node.errors import RequestError
+    assert template.render_template("{{ 1 + 1 }}") == "2"
+    template._RENDERER._proc.kill()
+    template._RENDERER._proc.join()
+    with pytest.raises(RequestError, match="^chat template failed: the process rendering it died$"):
+        template.render_template("{{ 1 + 1 }}")
+    assert template.render_template("{{ 2 + 2 }}") == "4"
 
 
 def test_a_sampling_fault_fails_only_its_request():

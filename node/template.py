@@ -1,0 +1,141 @@
+"""Chat templates (GGUF key ``tokenizer.chat_template``, jinja2) rendered in a
+separate process.
+
+A template is code that comes with the model file, so it runs where it can
+harm nothing: a spawned worker process with at most :data:`TEMPLATE_MEMORY`
+bytes of address space (``RLIMIT_AS``), inside jinja2's immutable sandbox, for
+at most :data:`TEMPLATE_STEPS` Python line events and :data:`TEMPLATE_SECONDS`
+seconds, returning at most :data:`TEMPLATE_OUTPUT` characters. Compiling
+counts too (jinja2 folds constant expressions while it compiles). One worker
+serves the whole process, one rendering at a time; it is replaced when it
+crashes or runs out of time.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import resource
+import sys
+import threading
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from .errors import RequestError
+
+TEMPLATE_STEPS = 1_000_000  # Python line events one rendering may take (about a second)
+TEMPLATE_ITEMS = 1_000_000  # the longest string or list one ``*`` may build, the most digits one ``**`` may
+TEMPLATE_MEMORY = 1 << 30  # bytes of address space the worker process may hold
+TEMPLATE_OUTPUT = 16 << 20  # characters of rendered text
+TEMPLATE_SECONDS = 30.0  # wall time one rendering may take, the worker's start included
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox whose ``*`` and ``**`` refuse results past
+    :data:`TEMPLATE_ITEMS` items or digits before computing them (so a power
+    cannot spend minutes within the memory limit)."""
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        seq, num = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+        if operator == "*" and isinstance(seq, (str, list, tuple)) and isinstance(num, int) \
+                and len(seq) * num > TEMPLATE_ITEMS:
+            raise SecurityError(f"the template builds a sequence of more than {TEMPLATE_ITEMS} items")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                and right * abs(left).bit_length() > 4 * TEMPLATE_ITEMS:
+            raise SecurityError(f"the template computes a number of more than {TEMPLATE_ITEMS} digits")
+        return super().call_binop(context, operator, left, right)
+
+
+def _raise_exception(msg):
+    raise jinja2.TemplateError(msg)
+
+
+def _render_bounded(source: str, context: dict) -> str:
+    """Compile and render ``source`` with ``context``, stopped after
+    :data:`TEMPLATE_STEPS` Python line events (jinja2 compiles a template to
+    Python, so every loop iteration of it is counted); raises
+    ``jinja2.TemplateError`` then, and when the text is longer than
+    :data:`TEMPLATE_OUTPUT`."""
+    left = [TEMPLATE_STEPS]
+
+    def trace(frame, event, arg):
+        left[0] -= 1
+        if left[0] < 0:
+            raise jinja2.TemplateError(f"the template takes more than {TEMPLATE_STEPS} steps")
+        return trace
+
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    saved = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        text = env.from_string(source).render(**context)
+    finally:
+        sys.settrace(saved)
+    if len(text) > TEMPLATE_OUTPUT:
+        raise jinja2.TemplateError(f"the template renders more than {TEMPLATE_OUTPUT} characters")
+    return text
+
+
+def _worker(conn) -> None:
+    """The worker process: limit its address space, then answer ``(source,
+    context)`` with ``("ok", text)`` or ``("error", message)`` until the pipe closes."""
+    resource.setrlimit(resource.RLIMIT_AS, (TEMPLATE_MEMORY, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    while True:
+        try:
+            source, context = conn.recv()
+        except EOFError:
+            return
+        try:
+            reply = ("ok", _render_bounded(source, context))
+        except MemoryError:
+            reply = ("error", f"MemoryError: the template needs more than {TEMPLATE_MEMORY >> 20} MiB")
+        except Exception as e:  # noqa: BLE001 - the template is the model file's code: any failure is bad input
+            reply = ("error", f"{type(e).__name__}: {e}")
+        conn.send(reply)
+
+
+class _Renderer:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._proc = self._conn = None
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join()
+            self._conn.close()
+        self._proc = self._conn = None
+
+    def render(self, source: str, context: dict) -> str:
+        with self._lock:
+            if self._proc is None:
+                ctx = multiprocessing.get_context("spawn")
+                self._conn, child = ctx.Pipe()
+                self._proc = ctx.Process(target=_worker, args=(child,), daemon=True, name="bitexact-template")
+                self._proc.start()
+                child.close()
+            try:
+                self._conn.send((source, context))
+                if not self._conn.poll(TEMPLATE_SECONDS):
+                    self._stop()
+                    raise RequestError(f"chat template failed: it took more than {TEMPLATE_SECONDS:g} s")
+                kind, value = self._conn.recv()
+            except (EOFError, OSError):
+                self._stop()
+                raise RequestError("chat template failed: the process rendering it died") from None
+        if kind != "ok":
+            raise RequestError(f"chat template failed: {value}")
+        return value
+
+
+_RENDERER = _Renderer()
+
+
+def render_template(source: str, **context) -> str:
+    """Render the chat template ``source`` with ``context`` (``messages``,
+    ``add_generation_prompt``, ``bos_token``, ``eos_token``: str, bool, lists
+    and dicts of them) in the worker process. Raises :class:`RequestError`
+    when the template fails, breaks a limit of this module, or kills the worker."""
+    return _RENDERER.render(source, context)
