@@ -13,6 +13,7 @@ import os
 import signal
 import stat
 import sys
+import warnings
 
 from . import __version__
 from .errors import BitexactError, RequestError
@@ -25,6 +26,18 @@ class _Parser(argparse.ArgumentParser):
         sub = self.prog.split()[-1]
         where = "bitexact --help" if sub == "bitexact" else f"bitexact {sub} --help"
         self.exit(EXIT_INPUT, f"bitexact: error: {message} (see {where})\n")
+
+    def _print_message(self, message, file=None):  # argparse drops write errors: --help / --version must not
+        file = file or sys.stderr
+        try:
+            if message:
+                file.write(message)
+                file.flush()
+        except OSError as e:
+            if file is not sys.stdout:
+                return
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            self.exit(EXIT_INPUT, f"bitexact: error: cannot write to standard output: {e.strerror or e}\n")
 
 
 def _passphrase(args) -> bytes | None:
@@ -361,6 +374,9 @@ def main(argv=None) -> int:
         if hasattr(f, "reconfigure"):
             f.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
+    # numpy's overflow / invalid-value warnings would print lines of their own; the
+    # engine checks the logits for NaN itself (NumericFault: one error line).
+    warnings.simplefilter("ignore", RuntimeWarning)
     # Every command stops as on Ctrl-C (even when started with SIGINT ignored); serve, once
     # it listens, drains on SIGTERM and SIGINT instead (aiohttp's handlers replace these).
     signal.signal(signal.SIGTERM, _interrupted)

@@ -374,18 +374,34 @@ def test_run_synthetic_model_without_vocab(art, tmp_path, cwd):
 # --------------------------------------------------------------------------
 # verify: the real attestation
 
+@pytest.mark.parametrize("args", [["inspect", "ART"], ["--version"], ["--help"], ["run", "--help"]])
 @pytest.mark.parametrize("stdout", ["full", "closed"])
-def test_an_unwritable_stdout_is_one_error_line(art, stdout):
-    """stdout on a full device (`> /dev/full`) or closed (`>&-`): one error line, exit 2."""
+def test_an_unwritable_stdout_is_one_error_line(art, stdout, args):
+    """stdout on a full device (`> /dev/full`) or closed (`>&-`): one error line, exit 2,
+    for a command and for argparse's own --help and --version."""
     import subprocess
     from test_attest import cli_env
+    args = [art.bxa if a == "ART" else a for a in args]
     with open("/dev/full", "w") as full:
-        p = subprocess.run([sys.executable, "-m", "node.cli", "inspect", art.bxa], env=cli_env(),
+        p = subprocess.run([sys.executable, "-m", "node.cli", *args], env=cli_env(),
                            stdout=full if stdout == "full" else None, stderr=subprocess.PIPE, timeout=120,
                            preexec_fn=(lambda: os.close(1)) if stdout == "closed" else None)
     err = p.stderr.decode()
     assert p.returncode == 2 and err.count("\n") == 1 and err.startswith("bitexact: error: "), err
     assert ("No space left" in err) if stdout == "full" else ("closed" in err), err
+
+
+def test_overflowing_weights_give_one_error_line_without_numpy_warnings(art, tmp_path):
+    """output_norm weights of 1e38 overflow fp32 in the forward pass: numpy's
+    RuntimeWarnings stay silent and the run ends with the engine's one NaN line."""
+    from test_tokenizer import _copy_with
+
+    from node.gguf_model import default_model_path
+    path = str(tmp_path / "inf.gguf")
+    _copy_with(default_model_path(), path, fill={"output_norm.weight": 1e38})
+    p = bx(tmp_path, "run", "--key", art.key, "--prompt", "hi", "--max-tokens", "2", "--model", path)
+    assert "NaN" in assert_input_error(p, code=p.returncode) and p.returncode != 0
+    assert not list(tmp_path.glob("*.bxa"))
 
 
 @pytest.mark.parametrize("as_json", [False, True])

@@ -20,9 +20,11 @@ def tok():
     return Tokenizer(load_model(default_model_path()))
 
 
-def _copy_with(src: str, dst: str, extra_row: bool = False, template: str | None = None) -> None:
+def _copy_with(src: str, dst: str, extra_row: bool = False, template: str | None = None,
+               fill: dict | None = None) -> None:
     """The GGUF at ``src`` with one more row in token_embd.weight (a copy of its
-    last) and/or another ``tokenizer.chat_template``."""
+    last), another ``tokenizer.chat_template``, and/or the float tensors named in
+    ``fill`` set to one value each."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     r = GGUFReader(src)
@@ -36,6 +38,8 @@ def _copy_with(src: str, dst: str, extra_row: bool = False, template: str | None
         w.add_key_value(key, value, vt, f.types[1] if vt == GGUFValueType.ARRAY else None)
     for t in r.tensors:
         data = np.array(t.data)
+        if fill and t.name in fill:
+            data = np.full_like(data, fill[t.name])
         if t.name == "token_embd.weight" and extra_row:
             data = np.concatenate([data, data[-1:]])
         w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
