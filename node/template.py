@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import resource
+import signal
 import sys
 import threading
 
@@ -80,7 +81,9 @@ def _render_bounded(source: str, context: dict) -> str:
 
 def _worker(conn) -> None:
     """The worker process: limit its address space, then answer ``(source,
-    context)`` with ``("ok", text)`` or ``("error", message)`` until the pipe closes."""
+    context)`` with ``("ok", text)`` or ``("error", message)`` until the pipe
+    closes. Ctrl-C reaches the whole process group; only the parent acts on it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_AS, (TEMPLATE_MEMORY, resource.getrlimit(resource.RLIMIT_AS)[1]))
     while True:
         try:
