@@ -57,7 +57,8 @@ ONE_LINE_ERRORS = OneLineErrors()
 # Sampler extensions other OpenAI-compatible servers take (llama.cpp server, vLLM) are refused alike.
 UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": None, "suffix": None, "best_of": 1,
                "presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "tools": None,
-               "functions": None, "response_format": None, "repetition_penalty": 1, "repeat_penalty": 1,
+               "functions": None, "function_call": None, "tool_choice": None, "parallel_tool_calls": None,
+               "response_format": {"type": "text"}, "repetition_penalty": 1, "repeat_penalty": 1,
                "min_p": None, "typical_p": 1, "tfs_z": 1, "top_a": None, "mirostat": None,
                "dynatemp_range": None, "xtc_probability": None, "dry_multiplier": None, "min_tokens": None,
                "ignore_eos": None, "grammar": None, "json_schema": None, "guided_json": None,
@@ -182,6 +183,9 @@ class Node:
             for m in msgs:
                 if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                     raise ApiError(400, "each message needs a string 'role' and a string 'content'", param="messages")
+                extra = sorted(k for k, v in m.items() if k not in ("role", "content") and v is not None)
+                if extra:  # e.g. name, tool_calls: the template would not see them
+                    raise ApiError(400, f"message field '{extra[0]}' is not supported by this node", param="messages")
                 messages.append({"role": m["role"], "content": m["content"]})
             req = Request(messages=messages)
         else:

@@ -250,6 +250,26 @@ def test_bad_completion_requests(daemon, body, status, param):
     assert err["error"]["param"] == param
 
 
+@pytest.mark.parametrize("extra,param", [({"tool_choice": "auto"}, "tool_choice"),
+                                         ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+                                         ({"response_format": {"type": "json_object"}}, "response_format"),
+                                         ({"msg": {"name": "bob"}}, "messages"),
+                                         ({"msg": {"tool_calls": [{"id": "x"}]}}, "messages")])
+def test_bad_chat_requests_name_the_unsupported_field(daemon, extra, param):
+    """Chat fields this node does not implement are refused, not dropped: the
+    answer would otherwise not be what the client asked for."""
+    msg = {"role": "user", "content": "hi", **extra.pop("msg", {})}
+    code, err = daemon.post_raw("/v1/chat/completions", json.dumps({"messages": [msg], "max_tokens": 1, **extra}).encode())
+    assert code == 400 and err["error"]["param"] == param, err
+    assert "not supported" in err["error"]["message"]
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(daemon):
+    body = {"messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": 1,
+            "response_format": {"type": "text"}, "tool_choice": None}
+    assert daemon.post_raw("/v1/chat/completions", json.dumps(body).encode())[0] == 200
+
+
 def test_declared_oversize_body_is_refused_before_it_arrives(daemon):
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=20) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
