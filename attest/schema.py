@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 from node.errors import AttestationError
 
 FORMAT_VERSION = 1
@@ -69,3 +71,8 @@ def check_payload(p) -> None:
         raise AttestationError("output.step_chain and output.tokens differ in length")
     if p["backend"] not in ("cpu", "cuda"):
         raise AttestationError(f"unknown backend {p['backend']!r}")
+    try:  # RFC 3339, UTC, whole seconds: the form node/provenance.py writes
+        datetime.datetime.strptime(p["timestamp"], "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        raise AttestationError(f"field timestamp {p['timestamp']!r} is not an RFC 3339 UTC time "
+                               f"(YYYY-MM-DDTHH:MM:SSZ)") from None

@@ -701,6 +701,14 @@ def test_inspect_quotes_keys_that_are_not_plain_names(art, tmp_path):
     assert len(r.stdout.splitlines()) == 1 + len(list(_dict_leaves(art.payload))) + 1
 
 
+@pytest.mark.parametrize("stamp", ["\x1b[2J", "2026-11-30 12:00:00", "2026-11-30T12:00:00+01:00", "2026-13-01T00:00:00Z"])
+def test_a_signed_timestamp_that_is_not_rfc3339_utc_is_refused(art, tmp_path, stamp):
+    """The time of signing is checked like every other field (seal would refuse it: signed from the internals)."""
+    write(tmp_path / "t.bxa", sign_raw(_payload_with(art, ("timestamp",), stamp), art.private_key()))
+    for args in (["inspect", "t.bxa"], ["verify", "t.bxa"]):
+        assert "RFC 3339" in assert_input_error(bx(tmp_path, *args))
+
+
 def test_inspect_json(art, tmp_path):
     p = bx(tmp_path, "inspect", "--json", art.bxa)
     assert p.returncode == 0, p.stderr
