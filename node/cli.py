@@ -125,7 +125,8 @@ def cmd_serve(args) -> int:
     from .tp import check_degree
 
     for flag, value, least in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
-                               ("--max-tokens-cap", args.max_tokens_cap, 1), ("--max-body-bytes", args.max_body_bytes, 1)):
+                               ("--max-tokens-cap", args.max_tokens_cap, 1), ("--max-body-bytes", args.max_body_bytes, 1),
+                               ("--step-tokens", 1 if args.step_tokens is None else args.step_tokens, 1)):
         if value < least:
             raise RequestError(f"{flag} must be >= {least}, got {value}")
     if not 0 <= args.port <= 65535:
@@ -162,7 +163,8 @@ def _serve(args, tok, key, engine) -> None:
         raise BitexactError(f"cannot listen on {args.host}:{args.port}: {why}") from None
     try:
         node = Node(engine, tok, key, args.data_dir, args.max_batch, args.max_queue,
-                    max_tokens_cap=min(args.max_tokens_cap, engine.n_ctx), pin=args.pin)
+                    max_tokens_cap=min(args.max_tokens_cap, engine.n_ctx), pin=args.pin,
+                    step_tokens=args.step_tokens or (32 if engine.device == "cpu" else 2048))
     except OSError as e:
         sock.close()
         why = "not a folder" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror
@@ -334,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attestation store (default: %(default)s)")
     s.add_argument("--max-batch", type=int, default=16, metavar="N",
                    help="sequences per engine step (default: %(default)s)")
+    s.add_argument("--step-tokens", type=int, metavar="N",
+                   help="most tokens one engine step feeds, decode tokens included; prompts are prefilled "
+                        "within it, shortest first (default: 32 on cpu, 2048 on cuda)")
     s.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait beyond the free batch slots before 429 (default: %(default)s)")
     s.add_argument("--max-tokens-cap", type=int, default=4096, metavar="N",

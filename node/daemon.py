@@ -99,7 +99,7 @@ class Node:
     """Holds the engine, scheduler, store, key and metrics of one running daemon."""
 
     def __init__(self, engine: Engine, tok: Tokenizer, key, data_dir: str, max_batch: int = 16,
-                 max_queue: int = 64, max_tokens_cap: int = 4096, pin: str | None = None):
+                 max_queue: int = 64, max_tokens_cap: int = 4096, pin: str | None = None, step_tokens: int = 2048):
         self.engine, self.tok, self.key = engine, tok, key
         self.public_raw = keys.public_raw(key)
         self.key_id = keys.key_id(self.public_raw)
@@ -115,7 +115,7 @@ class Node:
         self.m_fed = Counter("bitexact_fed_tokens", "Tokens fed to the engine (prefill and decode)", registry=r)
         self.m_requests = Counter("bitexact_requests", "Requests by outcome", ["outcome"], registry=r)
         self.m_latency = Histogram("bitexact_request_seconds", "Request latency", registry=r)
-        self.scheduler = Scheduler(engine, tok, max_batch, max_queue, on_step=self._on_step)
+        self.scheduler = Scheduler(engine, tok, max_batch, max_queue, on_step=self._on_step, step_tokens=step_tokens)
         self.store_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bitexact-store")
 
     def _on_step(self, batch: int, fed: int, sampled: int) -> None:

@@ -144,6 +144,11 @@ class Generation:
     def done(self) -> bool:
         return self.finish is not None
 
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens not yet fed (0 once decoding)."""
+        return len(self.ids) - self.fed
+
     def next_chunk(self, limit: int = PREFILL_CHUNK) -> list[int]:
         """The tokens to feed next: up to ``limit`` prompt tokens, then the last sampled token."""
         if self.fed < len(self.ids):

@@ -1,9 +1,11 @@
 """Continuous batching: requests join and leave the running batch at any step.
 
-One worker thread owns the engine. Each step holds every active request:
-prefill chunks of new requests interleaved with one decode token of the
-others. Because the engine's bytes never depend on the batch, a request's
-output equals what it would get alone on an idle node.
+One worker thread owns the engine. Each step holds one decode token of every
+decoding request and, within a budget of tokens per step, prefill chunks of
+new requests, shortest prompts first (the others wait a step), so a long
+prompt cannot make every other request's step long, nor hold a short one back. Because the engine's bytes never
+depend on the batch or the chunking, a request's output equals what it would
+get alone on an idle node.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ class Job:
 class Scheduler:
     """Runs jobs on ``engine`` with at most ``max_batch`` active sequences; at most
     ``max_queue`` jobs wait beyond the free batch slots (0: a job is taken only
-    when a slot is free), past that :meth:`submit` raises :class:`QueueFull`."""
+    when a slot is free), past that :meth:`submit` raises :class:`QueueFull`.
+    One step feeds at most ``step_tokens`` tokens (decode tokens included), but
+    always at least one prompt token when no request is decoding."""
 
     def __init__(self, engine: Engine, tok: Tokenizer, max_batch: int = 16, max_queue: int = 64,
-                 on_step: Callable[[int, int, int], None] | None = None):
+                 on_step: Callable[[int, int, int], None] | None = None, step_tokens: int = 2048):
         self.engine, self.tok = engine, tok
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batch, self.max_queue, self.step_tokens = max_batch, max_queue, step_tokens
         self.on_step = on_step  # (batch size, tokens fed, tokens sampled)
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
@@ -156,6 +160,23 @@ class Scheduler:
             for job in batch:
                 self._drop(job, err)
 
+    def _plan(self, ready: list[Job]) -> tuple[list[Job], list[list[int]]]:
+        """This step's jobs and their chunks: every decoding job's token, and
+        prompt chunks within the tokens left, shared max-min fairly: the
+        prefilling jobs with the fewest prompt tokens left are served first,
+        each up to an equal share of what remains (and PREFILL_CHUNK); at least
+        one prompt token when none decode. The others wait for a later step."""
+        left = max(self.step_tokens - sum(1 for job in ready if not job.gen.prompt_left), 1)
+        waiting = sorted((job for job in ready if job.gen.prompt_left), key=lambda job: job.gen.prompt_left)
+        give = {}
+        for i, job in enumerate(waiting):
+            n = min(job.gen.prompt_left, PREFILL_CHUNK, max(left // (len(waiting) - i), 1), left)
+            if n:
+                give[id(job)] = n
+                left -= n
+        jobs = [job for job in ready if not job.gen.prompt_left or id(job) in give]
+        return jobs, [job.gen.next_chunk(give.get(id(job), 1)) for job in jobs]
+
     def _step_jobs(self, batch: list[Job]) -> None:
         ready = []
         for job in batch:
@@ -168,7 +189,7 @@ class Scheduler:
             ready.append(job)
         if not ready:
             return
-        chunks = [job.gen.next_chunk(PREFILL_CHUNK) for job in ready]
+        ready, chunks = self._plan(ready)
         try:
             outs = self.engine.forward([(job.gen.seq, c) for job, c in zip(ready, chunks)])
         except BitexactError as e:   # e.g. KV cache full: fail this step's requests, keep serving

@@ -737,6 +737,7 @@ def test_usage_errors_are_one_line(tmp_path):
     (["--port", "-1"], "--port"),
     (["--max-body-bytes", "-1"], "--max-body-bytes"),
     (["--max-tokens-cap", "0"], "--max-tokens-cap"),
+    (["--step-tokens", "0"], "--step-tokens"),
     (["--tp", "3"], "tensor-parallel degree"),
     (["--data-dir", "WRONG_STORE"], "attestation store"),
     (["--data-dir", "DIR_STORE"], "attestation store"),

@@ -309,3 +309,44 @@ def test_max_queue_zero_runs_a_request_when_a_batch_slot_is_free():
     finally:
         sched.stop()
     assert ends == ["done", "done"]
+
+
+def test_step_token_budget_serves_short_prompts_first_and_keeps_the_bytes():
+    """With 8 tokens per step, a 60-token prompt is prefilled over several
+    steps while a short request submitted after it is prefilled and decoded
+    beside it: no step feeds more than 8 tokens, the short request finishes
+    first, and both digests equal their solo runs."""
+    import threading
+
+    from node.gguf_model import default_model_path
+    from node.generate import Request, build_request, generate
+    from node.scheduler import Scheduler
+    from node.tokenizer import Tokenizer
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+    long = build_request(Request(prompt="one two three four five six seven eight nine ten " * 6, max_tokens=2),
+                         tok, 256)
+    short = build_request(Request(prompt="Hi", max_tokens=3), tok, 256)
+    assert len(long["prompt_tokens"]) > 50
+    solo = [generate(Engine(model, n_ctx=256), tok, r).digest for r in (long, short)]
+    steps, order, got = [], [], {}
+    done = threading.Semaphore(0)
+    sched = Scheduler(Engine(model, n_ctx=256), tok, max_batch=4, step_tokens=8,
+                      on_step=lambda b, fed, s: steps.append(fed))
+
+    def on(name):
+        def cb(kind, value):
+            if kind != "token":
+                order.append(name)
+                got[name] = value.digest if kind == "done" else value
+                done.release()
+        return cb
+    try:
+        sched.submit(long, on("long"))
+        sched.submit(short, on("short"))
+        assert done.acquire(timeout=300) and done.acquire(timeout=300)
+    finally:
+        sched.stop()
+    assert [got["long"], got["short"]] == solo
+    assert order == ["short", "long"]
+    assert steps and max(steps) <= 8 and sum(steps) >= len(long["prompt_tokens"]) + len(short["prompt_tokens"])
