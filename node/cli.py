@@ -164,7 +164,7 @@ def _serve(args, tok, key, engine) -> None:
     try:
         node = Node(engine, tok, key, args.data_dir, args.max_batch, args.max_queue,
                     max_tokens_cap=min(args.max_tokens_cap, engine.n_ctx), pin=args.pin,
-                    step_tokens=args.step_tokens or (32 if engine.device == "cpu" else 2048))
+                    step_tokens=args.step_tokens)
     except OSError as e:
         sock.close()
         why = "not a folder" if isinstance(e, (FileExistsError, NotADirectoryError)) else e.strerror

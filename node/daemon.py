@@ -99,7 +99,7 @@ class Node:
     """Holds the engine, scheduler, store, key and metrics of one running daemon."""
 
     def __init__(self, engine: Engine, tok: Tokenizer, key, data_dir: str, max_batch: int = 16,
-                 max_queue: int = 64, max_tokens_cap: int = 4096, pin: str | None = None, step_tokens: int = 2048):
+                 max_queue: int = 64, max_tokens_cap: int = 4096, pin: str | None = None, step_tokens: int | None = None):
         self.engine, self.tok, self.key = engine, tok, key
         self.public_raw = keys.public_raw(key)
         self.key_id = keys.key_id(self.public_raw)
