@@ -170,21 +170,25 @@ __device__ __forceinline__ void bx_counter_push(float (&st)[4][MQ_NV], float (&v
     }
 }
 
-// Copy `used` bytes from byte `off` of each of the tile's 16 weight rows (W
-// 16-byte aligned) into staged rows of `wrow` bytes, in the 16-byte chunks
-// that hold them: a staged row starts (its address & 15) bytes before its
-// unit, and the last chunk may end up to 15 bytes past it. UB: the unit's
-// bytes, the most `used` may be (a compile-time chunk count keeps the index
-// math cheap).
+// Copy `used` bytes from byte `off` of each of the tile's 16 weight rows
+// into staged rows of `wrow` bytes, in the 16-byte chunks that hold them: a
+// staged row starts (its address & 15) bytes before its unit, and the last
+// chunk may end up to 15 bytes past it. Wt: the tile's first row (row n0 of a
+// 16-byte aligned W), tmis = its address & 15, last = N - 1 - n0 (rows past it
+// read row N - 1). UB: the unit's bytes, the most `used` may be. Each lane's
+// chunks are fixed by its lane number, so the index math is compile-time
+// constants and 32-bit offsets within the tile.
 template <int UB>
-__device__ __forceinline__ void bx_stage_rows(unsigned char* sw, int wrow, const unsigned char* __restrict__ W,
-                                              int n0, int N, int row_bytes, size_t off, int used, int lane) {
+__device__ __forceinline__ void bx_stage_rows(unsigned char* sw, int wrow, const unsigned char* __restrict__ Wt,
+                                              int tmis, int last, int row_bytes, int off, int used, int lane) {
     constexpr int NCMAX = (UB + 30) / 16;
-#pragma unroll 1
-    for (int i = lane; i < MQ_ROWS * NCMAX; i += 32) {
-        int r = i / NCMAX, ch = i - r * NCMAX;
-        size_t at = (size_t)min(n0 + r, N - 1) * row_bytes + off;
-        if (16 * ch < (int)(at & 15) + used) bx_cp_async(sw + r * wrow + 16 * ch, W + (at & ~(size_t)15) + 16 * ch, 16);
+#pragma unroll
+    for (int k = 0; k < (MQ_ROWS * NCMAX + 31) / 32; ++k) {
+        int i = lane + 32 * k, r = i / NCMAX, ch = i - r * NCMAX;
+        int at = min(r, last) * row_bytes + off;  // from the tile's first row
+        int mis = (tmis + at) & 15;
+        if (i < MQ_ROWS * NCMAX && 16 * ch < mis + used)
+            bx_cp_async(sw + r * wrow + 16 * ch, Wt + (at - mis + 16 * ch), 16);
     }
 }
 
@@ -211,6 +215,8 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
     int n_units = b_hi > b_lo ? (b_hi + b_off - wu0 + 7) / 8 : 0;
     // unit u's bytes in a row start at off0 + u * UB
     size_t off0 = SUPER ? (size_t)(wu0 >> 3) * UB : (size_t)wu0 * (UB / 8);
+    const unsigned char* Wt = W + (size_t)n0 * row_bytes;  // the tile's first row
+    int tmis = (int)(((size_t)n0 * row_bytes) & 15);
     // While the previous kernel runs: the first MQ_PF bytes of the warp's first unit of its 16 rows into L2.
     for (int i = lane; i < MQ_ROWS * (MQ_PF / 128); i += 32) {
         size_t off = off0 + (size_t)(i / MQ_ROWS) * 128;
@@ -230,20 +236,25 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);  // the unit's blocks computed here
         // Weight bytes: a K-quant's whole super-block; a flat type's blocks 0 .. bi_hi - 1 (bi_lo = 0). Past the
         // last row, up to 15 bytes of the padding node/backend_cuda.py _upload leaves are read.
-        bx_stage_rows<UB>(sw, WROW * 4, W, n0, N, row_bytes, off, SUPER ? UB : bi_hi * (UB / 8), lane);
-        // x: the codes, d and a of 8 tokens for those blocks (dead tokens read token M-1)
-        for (int i = lane; i < MQ_TT * 8 * 2; i += 32) {
-            int t = i >> 4, bi = (i >> 1) & 7, h = i & 1;
+        bx_stage_rows<UB>(sw, WROW * 4, Wt, tmis, N - 1 - n0, row_bytes, (int)off, SUPER ? UB : bi_hi * (UB / 8),
+                          lane);
+        // x: the codes, d and a of 8 tokens for those blocks (dead tokens read token M-1); lane's chunk
+        // i = lane + 32k is token i >> 4, block (i >> 1) & 7, half i & 1 of the codes, and token (i >> 3) & 7,
+        // block i & 7 of d (i < 64) or a.
+        int xb = blk0 + wu - b_off;  // x's block of the unit's block 0
+#pragma unroll
+        for (int k = 0; k < MQ_TT * 8 * 2 / 32; ++k) {
+            int i = lane + 32 * k, t = i >> 4, bi = (i >> 1) & 7;
             if (bi >= bi_lo && bi < bi_hi)
-                bx_cp_async(sq + (t * 8 + bi) * 32 + 16 * h,
-                            xq + (size_t)min(m0 + t, M - 1) * K + 32 * (blk0 + wu + bi - b_off) + 16 * h, 16);
+                bx_cp_async(sq + 16 * i, xq + (size_t)min(m0 + t, M - 1) * K + 32 * xb + 16 * (i & 15), 16);
         }
-        for (int i = lane; i < MQ_TT * 8 * 2; i += 32) {
-            int t = (i >> 3) % MQ_TT, bi = i & 7;
-            size_t src = (size_t)min(m0 + t, M - 1) * nb + blk0 + wu + bi - b_off;
+#pragma unroll
+        for (int k = 0; k < MQ_TT * 8 * 2 / 32; ++k) {
+            int i = lane + 32 * k, t = (i >> 3) % MQ_TT, bi = i & 7;
+            size_t src = (size_t)min(m0 + t, M - 1) * nb + xb + bi;
             if (bi >= bi_lo && bi < bi_hi) {
-                if (i < MQ_TT * 8) bx_cp_async(sd + t * 8 + bi, xd + src, 4);
-                else if (ASYM) bx_cp_async(sa + t * 8 + bi, xa + src, 4);
+                if (i < MQ_TT * 8) bx_cp_async(sd + (i & (MQ_TT * 8 - 1)), xd + src, 4);
+                else if (ASYM) bx_cp_async(sa + (i & (MQ_TT * 8 - 1)), xa + src, 4);
             }
         }
         asm volatile("cp.async.commit_group;");
