@@ -281,9 +281,9 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         int wu = wu0 + 8 * u;
         size_t off = off0 + (size_t)u * UB;
         // staged rows gid and gid + 8 start (their address & 15) bytes before the unit
-        const unsigned char* u0 = sw + gid * WROW * 4 + (((size_t)min(n0 + gid, N - 1) * row_bytes + off) & 15);
+        const unsigned char* u0 = sw + gid * WROW * 4 + ((tmis + min(gid, N - 1 - n0) * row_bytes + (int)off) & 15);
         const unsigned char* u1 = sw + (gid + 8) * WROW * 4
-                                + (((size_t)min(n0 + gid + 8, N - 1) * row_bytes + off) & 15);
+                                + ((tmis + min(gid + 8, N - 1 - n0) * row_bytes + (int)off) & 15);
         int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);
 #pragma unroll
         for (int bi = 0; bi < 8; ++bi) {
