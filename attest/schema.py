@@ -5,9 +5,15 @@ from __future__ import annotations
 import datetime
 
 from node.errors import AttestationError
+from node.tp import TP_DEGREES
 
 FORMAT_VERSION = 1
 CONTRACT_VERSIONS = (1,)
+
+# The device map's fields per backend (node/provenance.py device_record, node/backend_cuda.py
+# CudaBackend.device_record); a cuda node running GPU ranks adds the degree, "tensor_parallel".
+DEVICE_FIELDS = {"cpu": ("cpu", "machine", "python"),
+                 "cuda": ("gpu", "compute_capability", "driver", "cuda_driver", "cuda_runtime", "cupy")}
 
 HEX64 = "hex64"
 B32 = "bin32"
@@ -54,6 +60,21 @@ def _check(value, spec, path):
         raise AttestationError(f"field {path} has the wrong type")
 
 
+def _check_device(dev: dict, backend: str) -> None:
+    want = DEVICE_FIELDS[backend]
+    extra = sorted(set(dev) - set(want) - ({"tensor_parallel"} if backend == "cuda" else set()))
+    missing = sorted(set(want) - set(dev))
+    if extra or missing:
+        raise AttestationError(f"field device does not describe a {backend} device: missing {missing} "
+                               f"unexpected {extra}")
+    for k in want:
+        if not isinstance(dev[k], str):
+            raise AttestationError(f"field device.{k} must be a string")
+    tp = dev.get("tensor_parallel", 1)
+    if type(tp) is not int or tp not in TP_DEGREES:
+        raise AttestationError(f"field device.tensor_parallel must be one of {TP_DEGREES}")
+
+
 def check_payload(p) -> None:
     """Raise :class:`AttestationError` unless ``p`` has exactly the documented
     fields, types and known versions."""
@@ -69,8 +90,11 @@ def check_payload(p) -> None:
         raise AttestationError(f"unknown finish reason {o['finish_reason']!r}")
     if len(o["step_chain"]) != len(o["tokens"]):
         raise AttestationError("output.step_chain and output.tokens differ in length")
-    if p["backend"] not in ("cpu", "cuda"):
+    if p["engine"]["name"] != "bitexact":
+        raise AttestationError(f"unknown engine {p['engine']['name']!r}")
+    if p["backend"] not in DEVICE_FIELDS:
         raise AttestationError(f"unknown backend {p['backend']!r}")
+    _check_device(p["device"], p["backend"])
     try:  # RFC 3339, UTC, whole seconds: the form node/provenance.py writes
         datetime.datetime.strptime(p["timestamp"], "%Y-%m-%dT%H:%M:%SZ")
     except ValueError:

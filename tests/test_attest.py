@@ -335,6 +335,43 @@ def test_signed_but_schema_invalid_payloads(art, path, value, message):
         envelope.open_envelope(sign_raw(p, art.private_key()))
 
 
+CUDA_DEVICE = {"gpu": "NVIDIA H200", "compute_capability": "9.0", "driver": "580.95.05", "cuda_driver": "13000",
+               "cuda_runtime": "13000", "cupy": "14.0.0"}
+
+
+@pytest.mark.parametrize("backend,device,message", [
+    ("cpu", CUDA_DEVICE, "does not describe a cpu device"),
+    ("cuda", {"cpu": "x", "machine": "x86_64", "python": "3.11.2"}, "does not describe a cuda device"),
+    ("cpu", {"cpu": "x", "machine": "x86_64", "python": "3.11.2", "tensor_parallel": 2}, "unexpected"),
+    ("cpu", {"cpu": "x", "machine": "x86_64", "python": 311}, "device.python must be a string"),
+    ("cuda", dict(CUDA_DEVICE, gpu=None), "device.gpu must be a string"),
+    ("cuda", dict(CUDA_DEVICE, tensor_parallel=3), "tensor_parallel must be one of"),
+    ("cuda", dict(CUDA_DEVICE, tensor_parallel=2.0), "tensor_parallel must be one of"),
+    ("cuda", dict(CUDA_DEVICE, tensor_parallel=True), "tensor_parallel must be one of"),
+    ("cuda", {k: v for k, v in CUDA_DEVICE.items() if k != "driver"}, r"missing \['driver'\]"),
+    ("cuda", CUDA_DEVICE, None),
+    ("cuda", dict(CUDA_DEVICE, tensor_parallel=8), None),
+])
+def test_device_record_must_match_the_backend(art, backend, device, message):
+    """A signed payload whose device map is not the backend's record (node/provenance.py,
+    CudaBackend.device_record) is refused at the schema; the backend's own records pass."""
+    p = copy.deepcopy(art.payload)
+    p["backend"], p["device"] = backend, device
+    data = sign_raw(p, art.private_key())
+    if message is None:
+        assert envelope.open_envelope(data) == p
+    else:
+        with pytest.raises(AttestationError, match=message):
+            envelope.open_envelope(data)
+
+
+def test_engine_name_is_checked(art):
+    p = copy.deepcopy(art.payload)
+    p["engine"]["name"] = "other-engine"
+    with pytest.raises(AttestationError, match="unknown engine 'other-engine'"):
+        envelope.open_envelope(sign_raw(p, art.private_key()))
+
+
 def _packb_sorted(obj):
     """Sorted-key msgpack without the canonical module's type checks."""
     def srt(o):
