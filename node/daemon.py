@@ -18,6 +18,7 @@ import time
 import uuid
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -41,11 +42,15 @@ log = logging.getLogger("bitexact.daemon")
 class OneLineErrors(logging.Filter):
     """Log a record's exception as one line, without its traceback: aiohttp's server
     logs one for every malformed HTTP request its parser refuses and for a client
-    that leaves while its body is read, which are bad input, not bugs."""
+    that leaves while its body is read, which are bad input, not bugs. Those the
+    node answered 400 (a malformed request, a body that does not decode) are
+    warnings, not errors."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[1] is not None:
             e = record.exc_info[1]
+            if isinstance(e, (HttpProcessingError, web.RequestPayloadError)):   # bad input, answered 400
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.msg, record.args = "%s: %s: %s", (record.getMessage(), type(e).__name__, " ".join(str(e).split()))
             record.exc_info = record.exc_text = None
         return True
@@ -63,6 +68,9 @@ UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": None, "suffix": N
                "dynatemp_range": None, "xtc_probability": None, "dry_multiplier": None, "min_tokens": None,
                "ignore_eos": None, "grammar": None, "json_schema": None, "guided_json": None,
                "guided_regex": None, "guided_choice": None, "n_probs": None}
+
+
+CODINGS = ("gzip", "deflate")   # request content codings aiohttp decodes (one, alone)
 
 
 class ApiError(Exception):
@@ -248,20 +256,45 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app["node"] = node
 
-    async def read_json(request):
+    def too_large() -> ApiError:
+        return ApiError(413, f"the request body is larger than {max_body_bytes} bytes")
+
+    async def expect_continue(request):
+        """``Expect: 100-continue`` (RFC 9110 section 10.1.1): a 100 only for a body the
+        node will read; one declared larger than ``max_body_bytes`` gets its 413 now,
+        with ``Connection: close``, any other expectation a 417. Returning None goes on
+        to the route's handler."""
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            return ApiError(417, f"unsupported Expect: {expect!r}").response()
         if request.content_length is not None and request.content_length > max_body_bytes:
-            raise ApiError(413, f"the request body is larger than {max_body_bytes} bytes")   # before reading it
+            resp = too_large().response()
+            resp.force_close()
+            return resp
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0    # the 100 is not part of the response
+        return None
+
+    async def read_json(request):
+        """The body as JSON: UTF-8 (RFC 8259 section 8.1), with one content coding of
+        :data:`CODINGS` or none (a list of codings is a 415)."""
+        if request.content_length is not None and request.content_length > max_body_bytes:
+            raise too_large()   # before reading it
+        header = request.headers.get("Content-Encoding", "")
+        if header.strip().lower() not in ("", "identity", *CODINGS):   # aiohttp decodes exactly these
+            raise ApiError(415, f"unsupported Content-Encoding {header!r}: one of {', '.join(CODINGS)} or none")
         try:
             raw = await asyncio.wait_for(request.read(), body_timeout_s)
         except asyncio.TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {body_timeout_s:g} s") from None
         except web.HTTPRequestEntityTooLarge:
-            raise ApiError(413, f"the request body is larger than {max_body_bytes} bytes") from None
+            raise too_large() from None
         except web.RequestPayloadError as e:   # e.g. a Content-Encoding whose bytes do not decode
             raise ApiError(400, f"the request body could not be read: {e}") from None
         try:
-            return json.loads(raw)
-        except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, too deep, too long an integer
+            return json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as e:   # bad JSON, not UTF-8, too deep, too long an integer
             raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
 
     async def complete(request: web.Request, chat: bool):
@@ -393,8 +426,8 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         node.store_pool.shutdown(wait=True)
         node.store.close()
 
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
     app.router.add_get("/v1/attestations/{id}", attestation)
     app.router.add_get("/v1/node", node_info)
     app.router.add_get("/v1/models", models)
