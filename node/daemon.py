@@ -428,11 +428,11 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
 
     app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
-    app.router.add_get("/v1/attestations/{id}", attestation)
-    app.router.add_get("/v1/node", node_info)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/attestations/{id}", attestation, expect_handler=expect_continue)
+    app.router.add_get("/v1/node", node_info, expect_handler=expect_continue)
+    app.router.add_get("/v1/models", models, expect_handler=expect_continue)
+    app.router.add_get("/health", health, expect_handler=expect_continue)
+    app.router.add_get("/metrics", metrics, expect_handler=expect_continue)
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app

@@ -334,6 +334,8 @@ def test_expect_encodings_and_charsets(key, tmp_path):
         assert status == b"413" and "larger than" in json.loads(body)["error"]["message"], (status, body)
         status, body = post(b"Expect: 200-ok\r\n", ok)
         assert status == b"417" and json.loads(body)["error"]["message"] == "unsupported Expect: '200-ok'"
+        status, body = _exchange(d.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nExpect: foo\r\n\r\n")
+        assert status == b"417" and json.loads(body)["error"]["message"] == "unsupported Expect: 'foo'"
         for enc, data, want, message in [
                 (b"", ok.decode().encode("utf-16"), b"400", "not valid JSON"),
                 (b"", b"\xef\xbb\xbf" + ok, b"400", "not valid JSON"),
