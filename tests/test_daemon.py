@@ -7,6 +7,7 @@ CPU reference engine."""
 
 import concurrent.futures
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -193,6 +194,7 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     assert r.headers["X-Bitexact-Attestation-Id"] == att["id"]
     assert r.headers["X-Bitexact-Output-Digest"] == att["output_digest"]
     blob = daemon.get(f"/v1/attestations/{att['id']}").read()
+    assert hashlib.sha256(blob).hexdigest() == att["id"]     # the id is the file's SHA-256 (README)
     path = tmp_path / "a.bxa"
     path.write_bytes(blob)
     v = subprocess.run([sys.executable, "-m", "node.cli", "verify", str(path), "--trusted-key",
