@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from node.errors import AttestationError
 
 from . import canonical, schema
-from .keys import key_id, public_raw
+from .keys import is_valid_public, key_id, public_raw
 
 MAGIC = "bitexact-attestation"
 FORMAT_VERSION = 1
@@ -40,9 +40,10 @@ def seal(payload: dict, key: Ed25519PrivateKey) -> bytes:
 def open_envelope(data: bytes, trusted_key: bytes | None = None) -> dict:
     """Check an envelope and return its payload dict.
 
-    Order: envelope structure and version, trusted key, signature over the
-    stored payload bytes, then payload decoding and schema, then that the
-    payload names the envelope's signer. Raises :class:`AttestationError`.
+    Order: envelope structure and version, trusted key, the key's validity
+    (:func:`attest.keys.is_valid_public`), signature over the stored payload
+    bytes, then payload decoding and schema, then that the payload names the
+    envelope's signer. Raises :class:`AttestationError`.
     """
     env = canonical.decode(data, "attestation file")
     if not (isinstance(env, list) and len(env) == 5 and env[0] == MAGIC):
@@ -55,6 +56,9 @@ def open_envelope(data: bytes, trusted_key: bytes | None = None) -> dict:
         raise AttestationError("malformed attestation envelope")
     if trusted_key is not None and pub != trusted_key:
         raise AttestationError(f"signed by key {key_id(pub)}, not by the trusted key {key_id(trusted_key)}")
+    if not is_valid_public(pub):
+        raise AttestationError(f"signed by a weak Ed25519 key {key_id(pub)} (small order or non-canonical): "
+                               f"its signatures prove nothing")
     try:
         Ed25519PublicKey.from_public_bytes(pub).verify(sig, pae(PAYLOAD_TYPE, body))
     except InvalidSignature:

@@ -2,7 +2,11 @@
 
 Private keys are PKCS#8 PEM, optionally encrypted with a passphrase
 (``BestAvailableEncryption``); public keys are SubjectPublicKeyInfo PEM.
-The key id is the hex SHA-256 of the 32-byte raw public key.
+The key id is the hex SHA-256 of the 32-byte raw public key. A public key
+must be a canonical encoding of a point of the prime-order subgroup
+(libsodium's ``crypto_core_ed25519_is_valid_point``, through PyNaCl): a
+small-order key such as the identity verifies one signature for every
+message (Chalkias, Garillot and Nikolaenko, "Taming the many EdDSAs", 2020).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import stat
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from nacl.bindings import crypto_core_ed25519_is_valid_point
 
 from node.errors import KeyError_
 
@@ -22,6 +27,12 @@ from .atomic import atomic_write
 def key_id(public_raw: bytes) -> str:
     """Hex SHA-256 of a raw 32-byte Ed25519 public key."""
     return hashlib.sha256(public_raw).hexdigest()
+
+
+def is_valid_public(raw: bytes) -> bool:
+    """True when ``raw`` (32 bytes) is a canonical Ed25519 point of the prime-order
+    subgroup: not of small order, not a non-canonical encoding."""
+    return len(raw) == 32 and crypto_core_ed25519_is_valid_point(raw)
 
 
 def public_raw(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
@@ -136,7 +147,8 @@ def load_private(path: str, passphrase: bytes | None = None, require_private_mod
 def load_public(path: str) -> bytes:
     """Raw 32-byte public key from a PEM SubjectPublicKeyInfo file.
 
-    Raises :class:`KeyError_` when unreadable or not Ed25519.
+    Raises :class:`KeyError_` when unreadable, not Ed25519, or a weak key
+    (:func:`is_valid_public`).
     """
     try:
         with open(path, "rb") as f:
@@ -149,4 +161,7 @@ def load_public(path: str) -> bytes:
         raise KeyError_(f"{path} is not a PEM public key") from None
     if not isinstance(pub, Ed25519PublicKey):
         raise KeyError_(f"public key {path} is not an Ed25519 key")
-    return public_raw(pub)
+    raw = public_raw(pub)
+    if not is_valid_public(raw):
+        raise KeyError_(f"public key {path} is a weak Ed25519 key (small order or non-canonical)")
+    return raw

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 
 from node.errors import AttestationError
 from node.tp import TP_DEGREES
@@ -14,6 +15,8 @@ CONTRACT_VERSIONS = (1,)
 # CudaBackend.device_record); a cuda node running GPU ranks adds the degree, "tensor_parallel".
 DEVICE_FIELDS = {"cpu": ("cpu", "machine", "python"),
                  "cuda": ("gpu", "compute_capability", "driver", "cuda_driver", "cuda_runtime", "cupy")}
+
+TIMESTAMP = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z")
 
 HEX64 = "hex64"
 B32 = "bin32"
@@ -95,7 +98,9 @@ def check_payload(p) -> None:
     if p["backend"] not in DEVICE_FIELDS:
         raise AttestationError(f"unknown backend {p['backend']!r}")
     _check_device(p["device"], p["backend"])
-    try:  # RFC 3339, UTC, whole seconds: the form node/provenance.py writes
+    try:  # RFC 3339, UTC, whole seconds: the form node/provenance.py writes (strptime alone takes 2024-1-1)
+        if not TIMESTAMP.fullmatch(p["timestamp"]):
+            raise ValueError
         datetime.datetime.strptime(p["timestamp"], "%Y-%m-%dT%H:%M:%SZ")
     except ValueError:
         raise AttestationError(f"field timestamp {p['timestamp']!r} is not an RFC 3339 UTC time "

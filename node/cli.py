@@ -176,7 +176,7 @@ def _serve(args, tok, key, engine) -> None:
     tp = f" (tensor parallel: {args.tp} rank processes{' on as many GPUs' if engine.device == 'cuda' else ''})" \
         if args.tp != 1 else ""
     banner = (f"bitexact serve: {node.model_id} on {engine.device}{tp}, key id {node.key_id}, "
-              f"http://{args.host}:{sock.getsockname()[1]}")   # the bound port (--port 0: the kernel's pick)
+              f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{sock.getsockname()[1]}")  # bound port
     web.run_app(make_app(node, args.max_body_bytes, args.body_timeout), sock=sock, shutdown_timeout=30,
                 print=lambda _: print(banner, flush=True), access_log=None, handler_cancellation=True)
 
@@ -260,6 +260,9 @@ def cmd_inspect(args) -> int:
         return EXIT_OK
     print("signature: valid (Ed25519, key id %s)" % p["signer"]["key_id"])
 
+    def lit(x):  # strings as Python literals: control and format characters escaped, never sent raw
+        return repr(x) if isinstance(x, str) else json.dumps(x)
+
     def show(prefix, v):  # keys that are not plain names are quoted, like string values
         if isinstance(v, dict):
             for k, x in v.items():
@@ -269,8 +272,7 @@ def cmd_inspect(args) -> int:
             for i, x in enumerate(v):
                 show(f"{prefix}[{i}]", x)
         else:
-            shown = repr(v) if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
-            print(f"{prefix}: {shown}")
+            print(f"{prefix}: " + ("[" + ", ".join(map(lit, v)) + "]" if isinstance(v, list) else lit(v)))
     show("", p)
     return EXIT_OK
 

@@ -264,7 +264,7 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         node will read; one declared larger than ``max_body_bytes`` gets its 413 now,
         with ``Connection: close``, any other expectation a 417. Returning None goes on
         to the route's handler."""
-        expect = request.headers.get("Expect", "")
+        expect = ", ".join(request.headers.getall("Expect", []))   # every header line
         if expect.lower() != "100-continue":
             return ApiError(417, f"unsupported Expect: {expect!r}").response()
         if request.content_length is not None and request.content_length > max_body_bytes:
@@ -281,7 +281,7 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         :data:`CODINGS` or none (a list of codings is a 415)."""
         if request.content_length is not None and request.content_length > max_body_bytes:
             raise too_large()   # before reading it
-        header = request.headers.get("Content-Encoding", "")
+        header = ", ".join(request.headers.getall("Content-Encoding", []))   # every header line
         if header.strip().lower() not in ("", "identity", *CODINGS):   # aiohttp decodes exactly these
             raise ApiError(415, f"unsupported Content-Encoding {header!r}: one of {', '.join(CODINGS)} or none")
         try:

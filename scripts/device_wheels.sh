@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${DEVICE_PYTHON:-3.12}
 [ -x .venv/bin/python ] || { echo "device_wheels: run scripts/setup.sh first (no .venv)" >&2; exit 2; }
-PKGS=(gguf cryptography cffi pycparser diskcache openai httpx2 httpcore2 truststore h11 idna anyio jiter pydantic pydantic-core
+PKGS=(gguf cryptography pynacl cffi pycparser diskcache openai httpx2 httpcore2 truststore h11 idna anyio jiter pydantic pydantic-core
       sniffio typing-inspection annotated-types typing-extensions)
 pins=()
 for p in "${PKGS[@]}"; do

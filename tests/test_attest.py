@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import msgpack
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attest import canonical, envelope, keys, schema
-from node.errors import AttestationError
+from node.errors import AttestationError, KeyError_
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The capital of France is"
@@ -139,6 +140,45 @@ def test_trusted_key(art, tmp_path):
     other = keys.public_raw(Ed25519PrivateKey.generate())
     with pytest.raises(AttestationError, match="not by the trusted key"):
         envelope.open_envelope(art.data, trusted_key=other)
+
+
+IDENTITY = b"\x01" + bytes(31)   # the neutral point: [S]B = R + [k]A holds for R = identity, S = 0
+WEAK_KEYS = {"identity": IDENTITY, "zero (order 4)": bytes(32), "p - 1 (order 2)": b"\xec" + b"\xff" * 30 + b"\x7f",
+             "p (non-canonical zero)": b"\xed" + b"\xff" * 30 + b"\x7f",
+             "identity with the sign bit": b"\x01" + bytes(30) + b"\x80"}
+
+
+def test_identity_key_forgery_is_refused(art, tmp_path):
+    """Under the identity key one signature verifies for every message in ``cryptography``
+    (RFC 8032 does not require refusing small-order keys); the envelope refuses such keys
+    before the signature, so the forgery of a changed payload fails, in the API and in the CLI."""
+    forged_sig = IDENTITY + bytes(32)
+    Ed25519PublicKey.from_public_bytes(IDENTITY).verify(forged_sig, b"any message at all")   # the hazard
+    p = copy.deepcopy(art.payload)
+    p["output"]["text"] = "forged"
+    p["signer"] = {"public_key": IDENTITY, "key_id": keys.key_id(IDENTITY)}
+    data = canonical.encode([envelope.MAGIC, 1, canonical.encode(p), IDENTITY, forged_sig])
+    with pytest.raises(AttestationError, match="weak Ed25519 key"):
+        envelope.open_envelope(data)
+    path = tmp_path / "forged.bxa"
+    path.write_bytes(data)
+    for cmd in ("verify", "inspect"):
+        msg = assert_input_error(bx(tmp_path, cmd, str(path)))
+        assert "weak Ed25519 key" in msg, msg
+
+
+@pytest.mark.parametrize("name", sorted(WEAK_KEYS))
+def test_weak_public_keys_are_refused(art, tmp_path, name):
+    raw = WEAK_KEYS[name]
+    assert not keys.is_valid_public(raw) and keys.is_valid_public(keys.load_public(art.pub))
+    _, version, body, _, sig = split_envelope(art.data)
+    with pytest.raises(AttestationError, match="weak Ed25519 key"):
+        envelope.open_envelope(canonical.encode([envelope.MAGIC, version, body, raw, sig]))
+    pem = tmp_path / "weak.pub.pem"
+    pem.write_bytes(Ed25519PublicKey.from_public_bytes(raw).public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    with pytest.raises(KeyError_, match="weak Ed25519 key"):
+        keys.load_public(str(pem))
 
 
 # --------------------------------------------------------------------------

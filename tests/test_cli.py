@@ -692,16 +692,31 @@ def test_inspect_quotes_keys_that_are_not_plain_names(art, tmp_path):
     name is printed quoted (repr) on its own line: it can neither add a line
     nor send control bytes to the terminal."""
     evil = "cpu\nrequest.prompt: 'forged'\x1b[2K\r"
-    write(tmp_path / "k.bxa", envelope.seal(_payload_with(art, ("device", evil), "x"), art.private_key()))
+    assert art.payload["request"]["messages"] is None     # one leaf, replaced by one below
+    write(tmp_path / "k.bxa", envelope.seal(_payload_with(art, ("request", "messages"), [{evil: "x"}]),
+                                            art.private_key()))
     r = bx(tmp_path, "inspect", "k.bxa")
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout and "\r" not in r.stdout
     assert "request.prompt: 'forged'" not in r.stdout.splitlines()
-    assert f"device.{evil!r}: 'x'" in r.stdout.splitlines()
-    assert len(r.stdout.splitlines()) == 1 + len(list(_dict_leaves(art.payload))) + 1
+    assert f"request.messages[0].{evil!r}: 'x'" in r.stdout.splitlines()
+    assert len(r.stdout.splitlines()) == 1 + len(list(_dict_leaves(art.payload)))
 
 
-@pytest.mark.parametrize("stamp", ["\x1b[2J", "2026-11-30 12:00:00", "2026-11-30T12:00:00+01:00", "2026-13-01T00:00:00Z"])
+def test_inspect_escapes_control_characters_in_lists(art, tmp_path):
+    """Stop strings (which the daemon accepts as given) holding a C1 control sequence
+    introducer, a right-to-left override and an ESC are printed escaped, like single strings."""
+    stops = ["\x9b31m", "\u202e", "\x1b[2J", "plain"]
+    write(tmp_path / "s.bxa", envelope.seal(_payload_with(art, ("request", "stop"), stops), art.private_key()))
+    r = bx(tmp_path, "inspect", "s.bxa")
+    assert r.returncode == 0, r.stderr
+    assert not any(c in r.stdout for c in "\x9b\u202e\x1b"), r.stdout
+    assert f"request.stop: [{', '.join(map(repr, stops))}]" in r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("stamp", ["\x1b[2J", "2026-11-30 12:00:00", "2026-11-30T12:00:00+01:00", "2026-13-01T00:00:00Z",
+                                   "2024-1-1T1:1:1Z", "2026-11-30t12:00:00z", "\uff12\uff10\uff12\uff16-11-30T12:00:00Z",
+                                   "2026-11-30T12:00:00Z\n"])
 def test_a_signed_timestamp_that_is_not_rfc3339_utc_is_refused(art, tmp_path, stamp):
     """The time of signing is checked like every other field (seal would refuse it: signed from the internals)."""
     write(tmp_path / "t.bxa", sign_raw(_payload_with(art, ("timestamp",), stamp), art.private_key()))

@@ -336,6 +336,8 @@ def test_expect_encodings_and_charsets(key, tmp_path):
         assert status == b"413" and "larger than" in json.loads(body)["error"]["message"], (status, body)
         status, body = post(b"Expect: 200-ok\r\n", ok)
         assert status == b"417" and json.loads(body)["error"]["message"] == "unsupported Expect: '200-ok'"
+        status, body = post(b"Expect: 100-continue\r\nExpect: foo\r\n", ok)
+        assert status == b"417" and "100-continue, foo" in json.loads(body)["error"]["message"], (status, body)
         status, body = _exchange(d.port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nExpect: foo\r\n\r\n")
         assert status == b"417" and json.loads(body)["error"]["message"] == "unsupported Expect: 'foo'"
         for enc, data, want, message in [
@@ -349,7 +351,9 @@ def test_expect_encodings_and_charsets(key, tmp_path):
                 (b"gzip", gzip.compress(ok), b"200", None),
                 (b"identity", ok, b"200", None),
                 (b"deflate, identity", zlib.compress(ok), b"415", "unsupported Content-Encoding"),
-                (b"Deflate", zlib.compress(ok), b"200", None)]:
+                (b"Deflate", zlib.compress(ok), b"200", None),
+                (b"gzip\r\nContent-Encoding: gzip", gzip.compress(ok), b"415", "unsupported Content-Encoding"),
+                (b"identity\r\nContent-Encoding: foo", ok, b"415", "unsupported Content-Encoding")]:
             status, body = post(b"Content-Encoding: %s\r\n" % enc if enc else b"", data)
             assert status == want, (enc, data[:20], status, body)
             if message:
@@ -544,17 +548,29 @@ def test_client_that_goes_away_frees_its_slot_and_logs_one_line(key, tmp_path, s
     assert why in err and "Traceback" not in err, err[-3000:]
 
 
-def test_port_zero_banner_names_the_bound_port(key, tmp_path):
-    """``--port 0`` lets the kernel pick a free port; the banner names that port."""
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host,shown", [("127.0.0.1", "127.0.0.1"),
+                                        pytest.param("::1", "[::1]", marks=pytest.mark.skipif(
+                                            not _ipv6_loopback(), reason="no IPv6 loopback here"))])
+def test_port_zero_banner_names_the_bound_port(key, tmp_path, host, shown):
+    """``--port 0`` lets the kernel pick a free port; the banner's URL names that port
+    (an IPv6 host in brackets, RFC 3986) and answers."""
     proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", "--key", key, "--data-dir",
-                             str(tmp_path / "data"), "--port", "0", "--device", DEVICE],
+                             str(tmp_path / "data"), "--port", "0", "--host", host, "--device", DEVICE],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         banner = proc.stdout.readline()
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+)\s*$", banner).group(1))
-        assert port != 0, banner
-        assert json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30).read())["status"] \
-            == "ok"
+        m = re.search(r"(http://" + re.escape(shown) + r":(\d+))\s*$", banner)
+        assert m and int(m.group(2)) != 0, banner
+        assert json.loads(urllib.request.urlopen(m.group(1) + "/health", timeout=30).read())["status"] == "ok"
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
