@@ -177,7 +177,8 @@ __device__ __forceinline__ void bx_counter_push(float (&st)[4][MQ_NV], float (&v
 // 16-byte aligned W), tmis = its address & 15, last = N - 1 - n0 (rows past it
 // read row N - 1). UB: the unit's bytes, the most `used` may be. Each lane's
 // chunks are fixed by its lane number, so the index math is compile-time
-// constants and 32-bit offsets within the tile.
+// constants and 32-bit offsets within the tile (the launcher checks that 16
+// rows span less than 2 GiB).
 template <int UB>
 __device__ __forceinline__ void bx_stage_rows(unsigned char* sw, int wrow, const unsigned char* __restrict__ Wt,
                                               int tmis, int last, int row_bytes, int off, int used, int lane) {

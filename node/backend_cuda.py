@@ -439,6 +439,7 @@ class CudaBackend:
         yy = ys + [ys[0]] * pad
         qt = [QTYPE_IDS[w.qtype] for w in ms] + [0] * pad
         rb = [w.data.shape[1] for w in ms] + [0] * pad
+        _check(MQ_ROWS * max(rb) < 2 ** 31, "matmul_q: a tile's 16 rows must span < 2 GiB (32-bit offsets)")
         split = mq_split(rows, w0.lanes)
         self.k["matmul_q"](self._matmul_grid(m, rows, 1, MQ_ROWS, self.mq_tokens), (32 * split,),
                            (*ws, *yy, r, *(np.int32(n) for n in rows), *(np.int32(v) for v in qt),
