@@ -79,6 +79,10 @@ class Tokenizer:
         control = sorted({pieces[i].decode("utf-8", "replace") for i, ty in enumerate(types)
                           if ty in CONTROL_TYPES and pieces[i]}, key=len, reverse=True)
         self._control = re.compile("|".join(map(re.escape, control))) if control else None
+        # Characters llama.cpp drops without a token (SmolLM2: six C0 controls such as U+001D); probed over
+        # U+0000..U+00FF, which holds every control character, and left out of min_tokens' byte count.
+        bos = len(self.encode(""))
+        self._silent = {cp: None for cp in range(256) if len(self.encode(chr(cp))) == bos}
 
     def control_tokens(self, text: str) -> list[str]:
         """The control-token texts in ``text`` (e.g. ``<|im_end|>``), as ``encode(special=True)`` would parse them."""
@@ -86,11 +90,13 @@ class Tokenizer:
 
     def min_tokens(self, text: str, special: bool = False) -> int:
         """A lower bound of ``len(encode(text, special))`` found without tokenizing:
-        no token stands for more than :attr:`max_piece_bytes` bytes; with
-        ``special``, each control-token text is one token and the text between
-        them is tokenized piece by piece (llama.cpp splits there first)."""
+        no token stands for more than :attr:`max_piece_bytes` bytes, and characters
+        the vocabulary drops count for none; with ``special``, each control-token
+        text is one token and the text between them is tokenized piece by piece
+        (llama.cpp splits there first)."""
         pieces = self._control.split(text) if special and self._control else [text]
-        return len(pieces) - 1 + sum(-(-len(p.encode("utf-8")) // self.max_piece_bytes) for p in pieces)
+        return len(pieces) - 1 + sum(-(-len(p.translate(self._silent).encode("utf-8")) // self.max_piece_bytes)
+                                     for p in pieces)
 
     def encode(self, text: str, special: bool = False) -> list[int]:
         """Token ids for ``text`` (UTF-8), with BOS when the GGUF asks for it.
