@@ -153,7 +153,7 @@ def _serve(args, tok, key, engine) -> None:
 
     from aiohttp import web
 
-    from .daemon import Node, make_app
+    from .daemon import SERVER_OPTIONS, Node, make_app
 
     try:   # listen first: a bad address or a busy port fails before the store is created
         family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
@@ -178,7 +178,8 @@ def _serve(args, tok, key, engine) -> None:
     banner = (f"bitexact serve: {node.model_id} on {engine.device}{tp}, key id {node.key_id}, "
               f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{sock.getsockname()[1]}")  # bound port
     web.run_app(make_app(node, args.max_body_bytes, args.body_timeout), sock=sock, shutdown_timeout=30,
-                print=lambda _: print(banner, flush=True), access_log=None, handler_cancellation=True)
+                print=lambda _: print(banner, flush=True), access_log=None, handler_cancellation=True,
+                **SERVER_OPTIONS)
 
 
 def cmd_run(args) -> int:

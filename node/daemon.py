@@ -16,6 +16,7 @@ import logging
 import sqlite3
 import time
 import uuid
+import zlib
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -42,14 +43,15 @@ log = logging.getLogger("bitexact.daemon")
 class OneLineErrors(logging.Filter):
     """Log a record's exception as one line, without its traceback: aiohttp's server
     logs one for every malformed HTTP request its parser refuses and for a client
-    that leaves while its body is read, which are bad input, not bugs. Those the
-    node answered 400 (a malformed request, a body that does not decode) are
-    warnings, not errors."""
+    that leaves before its request is answered (while the node reads the body or
+    writes a 100 Continue), which are bad input or the client's doing, not bugs:
+    those are warnings, not errors."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[1] is not None:
             e = record.exc_info[1]
-            if isinstance(e, (HttpProcessingError, web.RequestPayloadError)):   # bad input, answered 400
+            # a malformed request (answered 400), or the client went away (ConnectionResetError)
+            if isinstance(e, (HttpProcessingError, web.RequestPayloadError, ConnectionResetError)):
                 record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.msg, record.args = "%s: %s: %s", (record.getMessage(), type(e).__name__, " ".join(str(e).split()))
             record.exc_info = record.exc_text = None
@@ -70,7 +72,38 @@ UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": None, "suffix": N
                "guided_regex": None, "guided_choice": None, "n_probs": None}
 
 
-CODINGS = ("gzip", "deflate")   # request content codings aiohttp decodes (one, alone)
+CODINGS = ("gzip", "deflate")   # request content codings the node decodes (one, alone)
+# aiohttp's own decoding of request bodies accepts a gzip stream without its CRC-32 and
+# length trailer and ignores bytes after it, so the server hands the node the raw body
+# (node/cli.py passes these to web.run_app) and decode_body checks the whole stream.
+SERVER_OPTIONS = {"auto_decompress": False}
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes")
+
+
+def decode_body(raw: bytes, coding: str, limit: int) -> bytes:
+    """Decode a request body of content coding ``coding`` (RFC 9110 section 8.4.1):
+    "gzip" is RFC 1952 (one member, its CRC-32 and length checked by zlib); "deflate"
+    is the zlib format of RFC 1950, or raw RFC 1951 data when the first byte is not a
+    zlib header (as aiohttp and browsers accept). At most ``limit`` decoded bytes.
+    Raises :class:`ApiError` 400 for data that does not decode, a stream that ends early
+    or bytes after its end, and 413 past ``limit``."""
+    wbits = 16 + zlib.MAX_WBITS if coding == "gzip" else zlib.MAX_WBITS if raw[:1] and raw[0] & 0x0F == 8 \
+        else -zlib.MAX_WBITS
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(raw, limit + 1)
+    except zlib.error as e:
+        raise ApiError(400, f"the request body could not be read: {coding}: {e}") from None
+    if len(out) > limit:
+        raise too_large(limit)
+    if not d.eof:
+        raise ApiError(400, f"the request body could not be read: the {coding} stream ends early")
+    if d.unused_data:
+        raise ApiError(400, f"the request body could not be read: {len(d.unused_data)} bytes after the {coding} stream")
+    return out
 
 
 class ApiError(Exception):
@@ -256,9 +289,6 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app["node"] = node
 
-    def too_large() -> ApiError:
-        return ApiError(413, f"the request body is larger than {max_body_bytes} bytes")
-
     async def expect_continue(request):
         """``Expect: 100-continue`` (RFC 9110 section 10.1.1): a 100 only for a body the
         node will read; one declared larger than ``max_body_bytes`` gets its 413 now,
@@ -268,7 +298,7 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         if expect.lower() != "100-continue":
             return ApiError(417, f"unsupported Expect: {expect!r}").response()
         if request.content_length is not None and request.content_length > max_body_bytes:
-            resp = too_large().response()
+            resp = too_large(max_body_bytes).response()
             resp.force_close()
             return resp
         if request.version >= (1, 1):
@@ -280,18 +310,21 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         """The body as JSON: UTF-8 (RFC 8259 section 8.1), with one content coding of
         :data:`CODINGS` or none (a list of codings is a 415)."""
         if request.content_length is not None and request.content_length > max_body_bytes:
-            raise too_large()   # before reading it
+            raise too_large(max_body_bytes)   # before reading it
         header = ", ".join(request.headers.getall("Content-Encoding", []))   # every header line
-        if header.strip().lower() not in ("", "identity", *CODINGS):   # aiohttp decodes exactly these
+        coding = header.strip().lower()
+        if coding not in ("", "identity", *CODINGS):
             raise ApiError(415, f"unsupported Content-Encoding {header!r}: one of {', '.join(CODINGS)} or none")
         try:
             raw = await asyncio.wait_for(request.read(), body_timeout_s)
         except asyncio.TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {body_timeout_s:g} s") from None
         except web.HTTPRequestEntityTooLarge:
-            raise too_large() from None
-        except web.RequestPayloadError as e:   # e.g. a Content-Encoding whose bytes do not decode
+            raise too_large(max_body_bytes) from None
+        except web.RequestPayloadError as e:   # e.g. a chunked body that breaks off
             raise ApiError(400, f"the request body could not be read: {e}") from None
+        if coding in CODINGS:
+            raw = decode_body(raw, coding, max_body_bytes)
         try:
             return json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError) as e:   # bad JSON, not UTF-8, too deep, too long an integer
