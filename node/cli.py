@@ -373,10 +373,24 @@ def _interrupted(signum, frame):
 _interrupted.seen = False
 
 
+def _error_line(text: str) -> None:
+    """``text`` on stderr; if stderr cannot take it (``2>/dev/full``), nothing more is
+    written there (it now goes to /dev/null), and the exit code alone tells."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+
+
 def main(argv=None) -> int:
     if sys.stdout is None or sys.stderr is None:   # started with a standard stream closed (`>&-`)
         if sys.stderr is not None:
-            print("bitexact: error: standard output is closed", file=sys.stderr)
+            _error_line("bitexact: error: standard output is closed")
+        return EXIT_INPUT
+    try:   # relative paths resolve against it; a folder deleted under the shell fails later, less clearly
+        os.getcwd()
+    except OSError as e:
+        _error_line(f"bitexact: error: cannot use the working folder: {e.strerror}")
         return EXIT_INPUT
     for f in (sys.stdout, sys.stderr):   # a locale that cannot encode the text (LANG=C): escapes, no traceback
         if hasattr(f, "reconfigure"):
@@ -397,16 +411,16 @@ def main(argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except BitexactError as e:
-        print(f"bitexact: error: {e}", file=sys.stderr)
+        _error_line(f"bitexact: error: {e}")
         return e.exit_code
     except OSError as e:   # commands turn the file errors they expect into BitexactError
         where = f"cannot access {e.filename}" if e.filename else "cannot write to standard output"
-        print(f"bitexact: error: {where}: {e.strerror or e}", file=sys.stderr)
         if not e.filename:   # what stdout still buffers must not fail again at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _error_line(f"bitexact: error: {where}: {e.strerror or e}")
         return EXIT_INPUT
     except KeyboardInterrupt:
-        print("bitexact: interrupted", file=sys.stderr)
+        _error_line("bitexact: interrupted")
         for f in (sys.stdout, sys.stderr):
             try:
                 f.flush()

@@ -79,6 +79,12 @@ CODINGS = ("gzip", "deflate")   # request content codings the node decodes (one,
 SERVER_OPTIONS = {"auto_decompress": False}
 
 
+def _not_json(name: str):
+    """``json.loads``' hook for NaN, Infinity and -Infinity, which Python accepts and
+    RFC 8259 section 6 does not."""
+    raise ValueError(f"{name} is not a JSON number (RFC 8259 section 6)")
+
+
 def too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than {limit} bytes")
 
@@ -326,7 +332,7 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         if coding in CODINGS:
             raw = decode_body(raw, coding, max_body_bytes)
         try:
-            return json.loads(raw.decode("utf-8"))
+            return json.loads(raw.decode("utf-8"), parse_constant=_not_json)
         except (ValueError, RecursionError) as e:   # bad JSON, not UTF-8, too deep, too long an integer
             raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
 

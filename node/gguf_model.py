@@ -114,8 +114,8 @@ def load_model(path: str) -> Model:
     """Open a GGUF file of the ``llama`` architecture.
 
     Raises :class:`ModelError` naming the problem when the file is missing or
-    unreadable, the architecture or a tensor's quant type is unsupported, or a
-    required tensor is missing.
+    unreadable, the architecture or a tensor's quant type is unsupported, a
+    tensor has an empty dimension, or a required tensor is missing.
     """
     from gguf import GGUFReader
 
@@ -146,6 +146,8 @@ def load_model(path: str) -> Model:
         if qtype not in SUPPORTED_TYPES:
             raise ModelError(f"tensor {t.name} has unsupported quant type {qtype} "
                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        if min(shape, default=0) < 1:
+            raise ModelError(f"tensor {t.name} has shape {shape}: every dimension must be at least 1")
         raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
         bb, be = BLOCK_BYTES.get(qtype, ({"F32": 4, "F16": 2, "BF16": 2}.get(qtype, 0), 1))
         if cols % be or raw.shape[1] != cols // be * bb:

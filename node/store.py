@@ -14,20 +14,37 @@ class AttestationStore:
     """Signed attestation files keyed by their id (hex SHA-256 of the file bytes).
 
     Thread-safe; ``path`` is created with its folder. Raises ``sqlite3.Error``
-    on I/O failure.
+    on I/O failure; a store that cannot be created (a full disk) leaves no file
+    behind, nor the folder if it made it.
     """
 
     def __init__(self, folder: str):
+        made = not os.path.isdir(folder)
         os.makedirs(folder, exist_ok=True)
         self.path = os.path.join(folder, "attestations.sqlite3")
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        fresh = not os.path.exists(self.path)
         self._lock = threading.Lock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.execute("CREATE TABLE IF NOT EXISTS attestations (id TEXT PRIMARY KEY, "
-                             "created TEXT NOT NULL, output_digest TEXT NOT NULL, blob BLOB NOT NULL)")
-            cols = [r[1] for r in self._db.execute("PRAGMA table_info(attestations)")]
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=FULL")
+                self._db.execute("CREATE TABLE IF NOT EXISTS attestations (id TEXT PRIMARY KEY, "
+                                 "created TEXT NOT NULL, output_digest TEXT NOT NULL, blob BLOB NOT NULL)")
+            except sqlite3.Error:
+                self._db.close()
+                raise
+        except sqlite3.Error:
+            if fresh:
+                for p in (self.path, self.path + "-wal", self.path + "-shm"):
+                    try:
+                        os.unlink(p)
+                    except FileNotFoundError:
+                        pass
+                if made:
+                    os.rmdir(folder)
+            raise
+        cols = [r[1] for r in self._db.execute("PRAGMA table_info(attestations)")]
         if cols != list(COLUMNS):
             self._db.close()
             raise sqlite3.DatabaseError(f"{self.path} holds a table 'attestations' with columns {cols}, "

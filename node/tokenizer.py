@@ -4,6 +4,7 @@ model), byte-identical to llama.cpp, and chat templates from the GGUF key
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import sys
@@ -50,13 +51,33 @@ def _load_vocab(llama_cpp, path: str):
         os.close(saved)
 
 
+def _pieces(llama_cpp, vocab, n: int, special: bool) -> list[bytes]:
+    """The text bytes of tokens 0 .. n-1 through llama.cpp's ``llama_token_to_piece``
+    (``special``: control tokens as their text, else as nothing). A piece longer than
+    the buffer makes it return minus the size it needs, and the call is repeated with
+    that size: llama-cpp-python's ``LlamaModel.detokenize`` passes a 32-byte buffer and
+    returns nothing for longer pieces (SmolLM2 has 47, such as 64 spaces or dashes)."""
+    size, out = 64, []
+    buf = ctypes.create_string_buffer(size)
+    for i in range(n):
+        k = llama_cpp.llama_token_to_piece(vocab, llama_cpp.llama_token(i), buf, size, 0, special)
+        if k < 0:
+            size = -k
+            buf = ctypes.create_string_buffer(size)
+            k = llama_cpp.llama_token_to_piece(vocab, llama_cpp.llama_token(i), buf, size, 0, special)
+        if k < 0:
+            raise ModelError(f"llama.cpp cannot render token {i} of the vocabulary")
+        out.append(buf.raw[:k])
+    return out
+
+
 class Tokenizer:
     """Tokenize and detokenize with the vocabulary stored in ``model``'s GGUF file.
 
     Raises :class:`ModelError` when the vocabulary cannot be loaded or its size
     differs from the model's (rows of ``token_embd``), as llama.cpp requires.
-    Encoding and decoding use two instances of the vocabulary, each behind its
-    own lock, so tokenizing a long prompt never holds up the decode steps.
+    Every token's text is read from llama.cpp once, here; decoding joins those
+    pieces, so it never waits for a long prompt being tokenized.
     """
 
     def __init__(self, model: Model):
@@ -66,14 +87,14 @@ class Tokenizer:
             raise ModelError(f"the tokenizer needs llama-cpp-python: {e}") from None
         self.model = model
         self._enc, self._enc_lock = _load_vocab(llama_cpp, model.path), threading.Lock()
-        self._dec, self._dec_lock = _load_vocab(llama_cpp, model.path), threading.Lock()
-        n = int(self._dec.n_vocab())
+        n = int(self._enc.n_vocab())
         if n != model.hparams.n_vocab:
             raise ModelError(f"the tokenizer has {n} tokens but the model {model.hparams.n_vocab} "
                              f"(rows of token_embd.weight); they must match")
-        self.eos_id = int(self._dec.token_eos())
-        self.bos_id = int(self._dec.token_bos())
-        pieces = [bytes(self._dec.detokenize([i], special=True)) for i in range(n)]
+        self.eos_id = int(self._enc.token_eos())
+        self.bos_id = int(self._enc.token_bos())
+        pieces = _pieces(llama_cpp, self._enc.vocab, n, special=True)
+        self._text = _pieces(llama_cpp, self._enc.vocab, n, special=False)   # what decode joins
         self.max_piece_bytes = max(1, max(map(len, pieces)))  # no token stands for more bytes of text
         types = model.metadata.get("tokenizer.ggml.token_type") or []
         control = sorted({pieces[i].decode("utf-8", "replace") for i, ty in enumerate(types)
@@ -108,9 +129,11 @@ class Tokenizer:
             return list(self._enc.tokenize(text.encode("utf-8"), add_bos=True, special=special))
 
     def decode_bytes(self, ids: list[int]) -> bytes:
-        """Raw bytes of the concatenated token pieces."""
-        with self._dec_lock:
-            return bytes(self._dec.detokenize(list(ids)))
+        """Raw bytes of the concatenated token pieces (control tokens give none); as
+        llama-cpp-python's ``detokenize``, a space that follows a leading BOS is dropped
+        (SentencePiece's prefix space). Raises ``IndexError`` for an id past the vocabulary."""
+        out = b"".join(self._text[i] for i in ids)
+        return out[1:] if ids and ids[0] == self.bos_id and out[:1] == b" " else out
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""

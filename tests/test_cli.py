@@ -391,6 +391,31 @@ def test_an_unwritable_stdout_is_one_error_line(art, stdout, args):
     assert ("No space left" in err) if stdout == "full" else ("closed" in err), err
 
 
+@pytest.mark.parametrize("args", [["inspect", "ART"], ["inspect", "MISSING"], ["keygen", "--out", "KEY"]])
+def test_stdout_and_stderr_both_full_still_exit_2(art, tmp_path, args):
+    """`> /dev/full 2>&1`: the error line cannot be written either, and the exit code
+    is still 2 (bad input or output), never 1, which `verify` uses for a mismatch."""
+    import subprocess
+    from test_attest import cli_env
+    sub = {"ART": art.bxa, "MISSING": str(tmp_path / "nope.bxa"), "KEY": str(tmp_path / "k.pem")}
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "node.cli", *[sub.get(a, a) for a in args]], env=cli_env(),
+                           stdout=full, stderr=full, timeout=120)
+    assert p.returncode == 2, p.returncode
+
+
+def test_a_deleted_working_folder_is_named(art, tmp_path):
+    """Started in a folder that no longer exists: one line naming the working folder, exit 2."""
+    import subprocess
+    from test_attest import cli_env
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    p = subprocess.run([sys.executable, "-m", "node.cli", "inspect", art.bxa], env=cli_env(),
+                       capture_output=True, timeout=120, cwd=gone, preexec_fn=lambda: os.rmdir(gone))
+    err = p.stderr.decode()
+    assert p.returncode == 2 and err == "bitexact: error: cannot use the working folder: No such file or directory\n", err
+
+
 def test_overflowing_weights_give_one_error_line_without_numpy_warnings(art, tmp_path):
     """output_norm weights of 1e38 overflow fp32 in the forward pass: numpy's
     RuntimeWarnings stay silent and the run ends with the engine's one NaN line."""

@@ -83,3 +83,46 @@ def test_rope_angles_past_the_table_range_are_one_model_error(tmp_path, metadata
         warnings.simplefilter("error")
         with pytest.raises(ModelError, match="RoPE angles would reach"):
             Engine(model, n_ctx=2048)
+
+
+def test_a_tensor_with_an_empty_dimension_is_a_model_error(tmp_path):
+    """A zero-row tensor (valid GGUF) is refused by name, not with numpy's reshape error."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = str(tmp_path / "zero.gguf")
+    w = GGUFWriter(path, "llama")
+    w.add_tensor("token_embd.weight", np.zeros((0, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match=r"token_embd.weight has shape \[64, 0\]: every dimension"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_store_that_cannot_be_created_leaves_nothing(tmp_path, monkeypatch, existing):
+    """A full disk while the store is created (its table cannot be written): the error
+    propagates and neither the database file nor a folder the store made is left."""
+    real = sqlite3.connect
+
+    class FullDisk:
+        def __init__(self, *a, **k):
+            self.db = real(*a, **k)
+
+        def execute(self, sql, *a):
+            if sql.startswith("CREATE TABLE"):
+                raise sqlite3.OperationalError("database or disk is full")
+            return self.db.execute(sql, *a)
+
+        def close(self):
+            self.db.close()
+
+    folder = tmp_path / "data"
+    if existing:
+        folder.mkdir()
+    monkeypatch.setattr(sqlite3, "connect", FullDisk)
+    with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+        AttestationStore(str(folder))
+    assert list(tmp_path.iterdir()) == ([folder] if existing else []) and (not existing or not any(folder.iterdir()))

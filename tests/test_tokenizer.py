@@ -103,6 +103,7 @@ _PIECES = st.one_of(st.text(max_size=40), st.sampled_from(["<|im_start|>", "<|im
 @given(parts=st.lists(_PIECES, max_size=30), special=st.booleans())
 @example(parts=["\x1d" * 50], special=False)     # characters the vocabulary drops give no token
 @example(parts=["a\x04\x06<|im_end|>\x13"], special=True)
+@example(parts=["Hi" + " " * 4000 + "there"], special=False)   # 64 spaces are one token
 def test_min_tokens_never_exceeds_the_token_count(tok, parts, special):
     text = "".join(parts)
     try:
@@ -129,8 +130,20 @@ def test_an_overlong_prompt_is_refused_before_tokenizing(tok, monkeypatch, chat)
             tok.render_chat(req.messages), True)
 
 
+@pytest.mark.parametrize("text", ["-" * 64 + "\nChapter 1", " " * 65 + "x", "\n" + " " * 47 + "return x", "#" * 64,
+                                  "=" * 80 + "\n"])
+def test_long_pieces_decode_in_full(tok, text):
+    """Tokens that stand for more than 32 bytes (SmolLM2 has 47: 64 spaces, runs of dashes
+    or hashes, deep indentation) decode to all their bytes; llama-cpp-python's detokenize
+    returned none for them."""
+    ids = tok.encode(text)
+    assert max(len(tok.decode_bytes([i])) for i in ids) > 32, ids   # the case is exercised
+    assert tok.decode(ids) == text and tok.max_piece_bytes >= 64
+
+
 def test_decoding_does_not_wait_for_encoding(tok):
-    """The scheduler decodes while HTTP threads tokenize prompts: two vocabularies, two locks."""
+    """The scheduler decodes while HTTP threads tokenize prompts: decoding reads the pieces
+    read at load time and takes no lock."""
     with tok._enc_lock:
         done = []
         t = threading.Thread(target=lambda: done.append(tok.decode([1, 2, 3])))
