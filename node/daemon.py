@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import errno
 import hashlib
 import json
 import logging
@@ -45,15 +46,30 @@ class OneLineErrors(logging.Filter):
     logs one for every malformed HTTP request its parser refuses and for a client
     that leaves before its request is answered (while the node reads the body or
     writes a 100 Continue), which are bad input or the client's doing, not bugs:
-    those are warnings, not errors."""
+    those are warnings, not errors. asyncio logs a failed accept() for every retry
+    while the process is out of file descriptors (hundreds a second): one such line
+    per ACCEPT_EVERY_S seconds is kept."""
+
+    ACCEPT = "socket.accept() out of system resource"
+    ACCEPT_EVERY_S = 5.0
+
+    def __init__(self):
+        super().__init__()
+        self._accept_logged = -self.ACCEPT_EVERY_S
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio" and record.getMessage().startswith(self.ACCEPT):
+            now = time.monotonic()
+            if now - self._accept_logged < self.ACCEPT_EVERY_S:
+                return False
+            self._accept_logged = now
         if record.exc_info and record.exc_info[1] is not None:
             e = record.exc_info[1]
             # a malformed request (answered 400), or the client went away (ConnectionResetError)
             if isinstance(e, (HttpProcessingError, web.RequestPayloadError, ConnectionResetError)):
                 record.levelno, record.levelname = logging.WARNING, "WARNING"
-            record.msg, record.args = "%s: %s: %s", (record.getMessage(), type(e).__name__, " ".join(str(e).split()))
+            record.msg, record.args = "%s: %s: %s", (" ".join(record.getMessage().split("\n")), type(e).__name__,
+                                                     " ".join(str(e).split()))
             record.exc_info = record.exc_text = None
         return True
 
@@ -286,6 +302,13 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
             return ApiError(e.status, e.reason, "invalid_request_error").response()
         except (asyncio.CancelledError, ConnectionResetError):
             raise
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                log.exception("request failed")
+                return ApiError(500, "internal error", "server_error").response()
+            log.error("request refused: %s", e)   # the process or system is out of file descriptors: no bug
+            return ApiError(503, f"the node is out of file descriptors ({e.strerror}); retry later",
+                            "server_error").response()
         except Exception:   # noqa: BLE001 - a bug must not leave a plain-text 500
             log.exception("request failed")
             return ApiError(500, "internal error", "server_error").response()

@@ -40,12 +40,16 @@ def free_port():
 
 
 class Daemon:
-    def __init__(self, key, data_dir, *extra):
+    def __init__(self, key, data_dir, *extra, nofile: int | None = None):
+        """``nofile``: the daemon's limit of open file descriptors (RLIMIT_NOFILE)."""
+        import resource
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "node.cli", "serve", "--key", key, "--data-dir", data_dir,
                      "--port", str(self.port), "--device", DEVICE, *extra]
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=limit)
         end = time.time() + 90
         while time.time() < end:
             if self.proc.poll() is not None:
@@ -451,6 +455,51 @@ def test_malformed_http_gets_aiohttp_plain_text_400_and_node_keeps_serving(key, 
     refusals = [line for line in err.splitlines() if "aiohttp.server WARNING" in line and "400" in line]
     # one line each (aiohttp does not log the bad request line at all), nothing else
     assert "Traceback" not in err and err.splitlines() == refusals and len(refusals) == 3, err[-3000:]
+
+
+def test_out_of_file_descriptors_is_a_503_and_one_line_each(key, tmp_path):
+    """With its descriptors used up by idle connections, a chat request (whose template
+    renderer needs a pipe and a process) gets a JSON 503, not a 500 with a traceback, and
+    every log line is one record; once the connections close the node serves again."""
+    d = Daemon(key, str(tmp_path / "data"), nofile=int(os.environ.get("BITEXACT_TEST_NOFILE", "200")))
+    chat = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(chat))
+    idle = []
+    try:
+        first = socket.create_connection(("127.0.0.1", d.port), timeout=30)
+        first.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b" 200 " in first.recv(65536)   # accepted while descriptors were left
+        for _ in range(250):   # more than the limit: the last ones wait in the listen backlog
+            idle.append(socket.create_connection(("127.0.0.1", d.port), timeout=30))
+        time.sleep(2)
+        first.sendall(head + chat)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += first.recv(65536)
+        status = got.split(b" ", 2)[1]
+        n = int(re.search(rb"(?i)content-length: (\d+)", got).group(1))
+        body = got.partition(b"\r\n\r\n")[2]
+        while len(body) < n:
+            body += first.recv(65536)
+        assert status == b"503" and "out of file descriptors" in json.loads(body)["error"]["message"], (status, body)
+        first.close()
+        for s in idle:
+            s.close()
+        idle = []
+        time.sleep(2)
+        assert d.post_raw("/v1/chat/completions", chat)[0] == 200
+    finally:
+        for s in idle:
+            s.close()
+        assert d.stop() == 0
+    err = d.proc.stderr.read()
+    lines = err.splitlines()
+    assert "Traceback" not in err and lines, err[-3000:]
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ", line) for line in lines), err[-3000:]
+    assert any("request refused" in line and "Too many open files" in line for line in lines), err[-3000:]
+    accepts = [line for line in lines if "socket.accept() out of system resource" in line]
+    assert 1 <= len(accepts) <= 4, err[-3000:]   # one per 5 s, not one per retry
 
 
 def test_a_body_that_does_not_arrive_gets_408_and_the_connection_closes(key, tmp_path):
