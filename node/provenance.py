@@ -16,9 +16,9 @@ from .engine import Engine
 from .generate import Result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Files whose text is the executable determinism contract on the CPU.
+# Files whose text is the executable determinism contract on the CPU (the tokenizer: the output text).
 REFERENCE_SOURCES = ("node/reference.py", "node/fmath.py", "node/rope_table.py", "node/sampler.py",
-                     "node/engine.py", "node/gguf_model.py", "node/generate.py")
+                     "node/engine.py", "node/gguf_model.py", "node/generate.py", "node/tokenizer.py")
 
 
 def sources_sha256(paths, extra: bytes = b"") -> str:
