@@ -95,6 +95,17 @@ CODINGS = ("gzip", "deflate")   # request content codings the node decodes (one,
 SERVER_OPTIONS = {"auto_decompress": False}
 
 
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, etype: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.etype, self.param, self.code = status, message, etype, param, code
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": self.message, "type": self.etype, "param": self.param,
+                                            "code": self.code}}, status=self.status)
+
+
 def _not_json(name: str):
     """``json.loads``' hook for NaN, Infinity and -Infinity, which Python accepts and
     RFC 8259 section 6 does not."""
@@ -126,17 +137,6 @@ def decode_body(raw: bytes, coding: str, limit: int) -> bytes:
     if d.unused_data:
         raise ApiError(400, f"the request body could not be read: {len(d.unused_data)} bytes after the {coding} stream")
     return out
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, etype: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.etype, self.param, self.code = status, message, etype, param, code
-
-    def response(self) -> web.Response:
-        return web.json_response({"error": {"message": self.message, "type": self.etype, "param": self.param,
-                                            "code": self.code}}, status=self.status)
 
 
 def _field(body: dict, name: str, types, default=None, what=""):
@@ -302,14 +302,11 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
             return ApiError(e.status, e.reason, "invalid_request_error").response()
         except (asyncio.CancelledError, ConnectionResetError):
             raise
-        except OSError as e:
-            if e.errno not in (errno.EMFILE, errno.ENFILE):
-                log.exception("request failed")
-                return ApiError(500, "internal error", "server_error").response()
-            log.error("request refused: %s", e)   # the process or system is out of file descriptors: no bug
-            return ApiError(503, f"the node is out of file descriptors ({e.strerror}); retry later",
-                            "server_error").response()
-        except Exception:   # noqa: BLE001 - a bug must not leave a plain-text 500
+        except Exception as e:   # noqa: BLE001 - a bug must not leave a plain-text 500
+            if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):   # a resource, not a bug
+                log.error("request refused: %s", e)
+                return ApiError(503, f"the node is out of file descriptors ({e.strerror}); retry later",
+                                "server_error").response()
             log.exception("request failed")
             return ApiError(500, "internal error", "server_error").response()
 
