@@ -15,11 +15,14 @@ class AttestationStore:
 
     Thread-safe; ``path`` is created with its folder. Raises ``sqlite3.Error``
     on I/O failure; a store that cannot be created (a full disk) leaves no file
-    behind, nor the folder if it made it.
+    behind, nor the folders it made.
     """
 
     def __init__(self, folder: str):
-        made = not os.path.isdir(folder)
+        made, up = [], os.path.abspath(folder)   # the folders makedirs will create, deepest first
+        while not os.path.exists(up) and os.path.dirname(up) != up:
+            made.append(up)
+            up = os.path.dirname(up)
         os.makedirs(folder, exist_ok=True)
         self.path = os.path.join(folder, "attestations.sqlite3")
         fresh = not os.path.exists(self.path)
@@ -41,8 +44,8 @@ class AttestationStore:
                         os.unlink(p)
                     except FileNotFoundError:
                         pass
-                if made:
-                    os.rmdir(folder)
+                for d in made:
+                    os.rmdir(d)
             raise
         cols = [r[1] for r in self._db.execute("PRAGMA table_info(attestations)")]
         if cols != list(COLUMNS):

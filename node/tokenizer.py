@@ -131,7 +131,9 @@ class Tokenizer:
     def decode_bytes(self, ids: list[int]) -> bytes:
         """Raw bytes of the concatenated token pieces (control tokens give none); as
         llama-cpp-python's ``detokenize``, a space that follows a leading BOS is dropped
-        (SentencePiece's prefix space). Raises ``IndexError`` for an id past the vocabulary."""
+        (SentencePiece's prefix space). Raises ``IndexError`` for an id outside the vocabulary."""
+        if ids and min(ids) < 0:
+            raise IndexError(f"token id {min(ids)} is negative")
         out = b"".join(self._text[i] for i in ids)
         return out[1:] if ids and ids[0] == self.bos_id and out[:1] == b" " else out
 

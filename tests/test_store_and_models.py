@@ -119,10 +119,13 @@ def test_a_store_that_cannot_be_created_leaves_nothing(tmp_path, monkeypatch, ex
         def close(self):
             self.db.close()
 
-    folder = tmp_path / "data"
+    folder = tmp_path / "a" / "b" / "data"   # makedirs makes three folders when none exists
     if existing:
-        folder.mkdir()
+        folder.mkdir(parents=True)
     monkeypatch.setattr(sqlite3, "connect", FullDisk)
     with pytest.raises(sqlite3.OperationalError, match="disk is full"):
         AttestationStore(str(folder))
-    assert list(tmp_path.iterdir()) == ([folder] if existing else []) and (not existing or not any(folder.iterdir()))
+    if existing:
+        assert folder.is_dir() and not any(folder.iterdir())
+    else:
+        assert list(tmp_path.iterdir()) == []

@@ -139,6 +139,9 @@ def test_long_pieces_decode_in_full(tok, text):
     ids = tok.encode(text)
     assert max(len(tok.decode_bytes([i])) for i in ids) > 32, ids   # the case is exercised
     assert tok.decode(ids) == text and tok.max_piece_bytes >= 64
+    for bad in ([-1], [tok.model.hparams.n_vocab]):
+        with pytest.raises(IndexError):
+            tok.decode_bytes(bad)
 
 
 def test_decoding_does_not_wait_for_encoding(tok):
