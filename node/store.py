@@ -27,17 +27,17 @@ class AttestationStore:
         self.path = os.path.join(folder, "attestations.sqlite3")
         fresh = not os.path.exists(self.path)
         self._lock = threading.Lock()
+        db = None
         try:
-            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-            try:
-                self._db.execute("PRAGMA journal_mode=WAL")
-                self._db.execute("PRAGMA synchronous=FULL")
-                self._db.execute("CREATE TABLE IF NOT EXISTS attestations (id TEXT PRIMARY KEY, "
-                                 "created TEXT NOT NULL, output_digest TEXT NOT NULL, blob BLOB NOT NULL)")
-            except sqlite3.Error:
-                self._db.close()
-                raise
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute("CREATE TABLE IF NOT EXISTS attestations (id TEXT PRIMARY KEY, "
+                       "created TEXT NOT NULL, output_digest TEXT NOT NULL, blob BLOB NOT NULL)")
+            cols = [r[1] for r in db.execute("PRAGMA table_info(attestations)")]
         except sqlite3.Error:
+            if db is not None:
+                db.close()
             if fresh:
                 for p in (self.path, self.path + "-wal", self.path + "-shm"):
                     try:
@@ -47,7 +47,7 @@ class AttestationStore:
                 for d in made:
                     os.rmdir(d)
             raise
-        cols = [r[1] for r in self._db.execute("PRAGMA table_info(attestations)")]
+        self._db = db
         if cols != list(COLUMNS):
             self._db.close()
             raise sqlite3.DatabaseError(f"{self.path} holds a table 'attestations' with columns {cols}, "

@@ -461,7 +461,7 @@ def test_out_of_file_descriptors_is_a_503_and_one_line_each(key, tmp_path):
     """With its descriptors used up by idle connections, a chat request (whose template
     renderer needs a pipe and a process) gets a JSON 503, not a 500 with a traceback, and
     every log line is one record; once the connections close the node serves again."""
-    d = Daemon(key, str(tmp_path / "data"), nofile=int(os.environ.get("BITEXACT_TEST_NOFILE", "200")))
+    d = Daemon(key, str(tmp_path / "data"), nofile=200)
     chat = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).encode()
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(chat))
