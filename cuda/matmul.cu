@@ -33,18 +33,20 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 // counter, which adds neighbours first exactly as warp_sum's xor-butterfly
 // does (fp32 addition is commutative). A tensor-parallel shard
 // (docs/determinism.md section 12) is the same walk over its `lanes` contract
-// lanes; its weight rows hold the shard only, from block b_off of their first
-// super-block, and x's block is blk0 + b. Up to three matrices with the same
-// K (Q/K/V, gate/up) in one launch; grid x walks token tiles so a row tile's
-// token tiles run together.
-// Data path: a warp copies one unit (up to 8 of its blocks, or a K-quant
-// super-block) of its 16 weight rows and of its 8 tokens' codes and scales
-// into shared memory with cp.async, double-buffered, so global loads are
-// coalesced and the next unit streams in while this one is computed.
-// MMA k-slot order is free as long as A and B agree: thread c's k-slots
-// 4c..4c+3 and 16+4c..16+4c+3 hold the block's elements 8c..8c+7.
+// lanes of nbs blocks, and x's block is blk0 + b. Up to three matrices with
+// the same K (Q/K/V, gate/up) in one launch; grid x walks token tiles so a row
+// tile's token tiles run together.
+// Weights come as records (node/backend_cuda.py pack_q): tile t's block b is
+// record t * nbs + b, the A fragments of its 16 rows in the order the threads
+// read them, then each row's scale and offset (Q6_K: sub-block scales), so a
+// warp's blocks are one contiguous span. A warp copies one unit (up to 8
+// records, and its 8 tokens' codes, d and a of those blocks) into shared
+// memory with cp.async, double-buffered, so the next unit streams in while
+// this one is computed. MMA k-slot order is free as long as A and B agree:
+// thread c's k-slots 4c..4c+3 and 16+4c..16+4c+3 hold the block's elements 8c..8c+7.
 #define MQ_TM 8     // tokens per warp of matmul_f
 #define MQ_ROWS 16  // output rows per tile (the MMA's M)
+#define MQ_UNIT 8   // records per staged unit
 // Tile constant (none changes any sum; scripts/tune_matmul.py times variants).
 // bx_counter_push holds 4 levels, so a warp may own at most 8 of the 32 lanes:
 // split is 4 or 8 and at most `lanes` (launcher).
@@ -52,22 +54,18 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 #define MQ_NT 1     // MMAs of 8 tokens per tile
 #endif
 #ifndef MQ_PF
-#define MQ_PF 512   // bytes per weight row of a warp's first unit hinted into L2 before the previous kernel ends
+#define MQ_PF 4096  // bytes of a warp's first records hinted into L2 before the previous kernel ends
 #endif
 #define MQ_TT (8 * MQ_NT)                  // tokens per tile
 #define MQ_NV (4 * MQ_NT)                  // C elements per thread
 
-// Bytes of a unit (8 blocks, or a K-quant super-block) of one weight row (ggml block layouts).
-__host__ __device__ constexpr int bx_unit_bytes(int qt) {
-    return qt == BX_Q8_0 ? 8 * 34 : qt == BX_Q4_0 ? 8 * 18 : qt == BX_Q4_1 ? 8 * 20 : qt == BX_Q4_K ? 144 : 210;
-}
-// Words per staged weight row: the 16-byte chunks holding a unit that starts up to 15 bytes into
-// the first, rounded up to 8 (mod 16) words so that the 8 rows a warp reads at once fall in
-// different banks.
-__host__ __device__ constexpr int bx_mq_wrow(int qt) { return ((bx_unit_bytes(qt) + 30) / 16 * 4 + 7) / 16 * 16 + 8; }
-// Bytes of one stage: 16 weight rows, then 8 tokens' codes, d and a of 8 blocks.
+// 4-bit codes (two per byte) or int8 codes in a record (node/backend_cuda.py MQ_NIBBLES).
+__host__ __device__ constexpr bool bx_mq_nibbles(int qt) { return qt == BX_Q4_0 || qt == BX_Q4_1 || qt == BX_Q4_K; }
+// Bytes of a record: A fragments (16 rows x 32 codes), then 8 x 16 bytes of scale words.
+__host__ __device__ constexpr int bx_mq_rec(int qt) { return (bx_mq_nibbles(qt) ? 256 : 512) + 128; }
+// Bytes of one stage: a unit of records, then 8 tokens' codes, d and a of its 8 blocks.
 __host__ __device__ constexpr int bx_mq_stage(int qt) {
-    return MQ_ROWS * bx_mq_wrow(qt) * 4 + MQ_TT * 8 * 32 + 2 * MQ_TT * 8 * 4;
+    return MQ_UNIT * bx_mq_rec(qt) + MQ_TT * 8 * 32 + 2 * MQ_TT * 8 * 4;
 }
 // Per warp: two stages and its subtree slots.
 __host__ __device__ constexpr int bx_mq_warp_bytes(int qt) { return 2 * bx_mq_stage(qt) + MQ_NV * 32 * 4; }
@@ -77,65 +75,6 @@ extern "C" __constant__ int bx_mq_warp_smem[8] = {0, 0, 0, bx_mq_warp_bytes(BX_Q
                                                   bx_mq_warp_bytes(BX_Q4_1), bx_mq_warp_bytes(BX_Q4_K),
                                                   bx_mq_warp_bytes(BX_Q6_K)};
 extern "C" __constant__ int bx_mq_tokens = MQ_TT;
-
-// Elements 8c..8c+7 of a weight block as int8 codes: lo = 8c..8c+3, hi =
-// 8c+4..8c+7; the scale s, the offset o and, for Q6_K, the sub-block scales
-// of elements 0..15 (sca) and 16..31 (scb). `u` points at the unit's bytes of
-// the row (ggml block layouts); bi is the block within the unit.
-struct BxRowBlock {
-    unsigned int lo, hi;
-    float s, o;
-    int sca, scb;
-};
-
-template <int QT>
-__device__ __forceinline__ BxRowBlock bx_row_block(const unsigned char* u, int bi, int c) {
-    BxRowBlock f;
-    f.o = 0.0f;
-    f.sca = f.scb = 1;
-    if (QT == BX_Q8_0) {
-        const unsigned char* blk = u + 34 * bi;
-        f.s = bx_half(bx_u16(blk));
-        f.lo = bx_u32_a2(blk + 2 + 8 * c);
-        f.hi = bx_u32_a2(blk + 6 + 8 * c);
-    } else if (QT == BX_Q4_0 || QT == BX_Q4_1) {
-        // element i < 16: low nibble of qs[i]; i >= 16: high nibble of qs[i - 16]
-        constexpr int BB = QT == BX_Q4_0 ? 18 : 20;
-        const unsigned char* blk = u + BB * bi;
-        const unsigned char* qs = blk + BB - 16 + 8 * (c & 1);
-        f.s = bx_half(bx_u16(blk));
-        if (QT == BX_Q4_1) f.o = bx_half(bx_u16(blk + 2));
-        int sh = 4 * (c >> 1);
-        f.lo = (bx_u32_a2(qs) >> sh) & 0x0F0F0F0Fu;
-        f.hi = (bx_u32_a2(qs + 4) >> sh) & 0x0F0F0F0Fu;
-        if (QT == BX_Q4_0) {
-            f.lo = __vsub4(f.lo, 0x08080808u);
-            f.hi = __vsub4(f.hi, 0x08080808u);
-        }
-    } else if (QT == BX_Q4_K) {
-        int sc, mn;
-        bx_q4k_scale_min(u + 4, bi, &sc, &mn);
-        f.s = __fmul_rn(bx_half(bx_u16(u)), (float)sc);
-        f.o = -__fmul_rn(bx_half(bx_u16(u + 2)), (float)mn);
-        uint2 q = *(const uint2*)(u + 16 + 32 * (bi >> 1) + 8 * c);  // 8-byte aligned
-        int sh = 4 * (bi & 1);
-        f.lo = (q.x >> sh) & 0x0F0F0F0Fu;
-        f.hi = (q.y >> sh) & 0x0F0F0F0Fu;
-    } else {  // BX_Q6_K: q6 - 32 (ggml dequantize_row_q6_K); scales applied to the integer sums
-        int h = bi >> 2, k = bi & 3;
-        f.s = bx_half(bx_u16(u + 208));
-        f.sca = (int)(signed char)u[192 + 2 * bi];
-        f.scb = (int)(signed char)u[193 + 2 * bi];
-        const unsigned char* ql = u + 64 * h + 32 * (k & 1) + 8 * c;
-        const unsigned char* qh = u + 128 + 32 * h + 8 * c;
-        int sl = 4 * (k >> 1), sq = 2 * k;
-        f.lo = __vsub4(((bx_u32_a2(ql) >> sl) & 0x0F0F0F0Fu) | (((bx_u32_a2(qh) >> sq) & 0x03030303u) << 4),
-                       0x20202020u);
-        f.hi = __vsub4(((bx_u32_a2(ql + 4) >> sl) & 0x0F0F0F0Fu) | (((bx_u32_a2(qh + 4) >> sq) & 0x03030303u) << 4),
-                       0x20202020u);
-    }
-    return f;
-}
 
 // C[16 x 8] (s32) = A[16 x 32] (s8, rows) * B[32 x 8] (s8, columns), one warp.
 __device__ __forceinline__ void bx_mma_s8(const unsigned int* a, unsigned int b0, unsigned int b1, int* d) {
@@ -170,92 +109,60 @@ __device__ __forceinline__ void bx_counter_push(float (&st)[4][MQ_NV], float (&v
     }
 }
 
-// Copy `used` bytes from byte `off` of each of the tile's 16 weight rows
-// into staged rows of `wrow` bytes, in the 16-byte chunks that hold them: a
-// staged row starts (its address & 15) bytes before its unit, and the last
-// chunk may end up to 15 bytes past it. Wt: the tile's first row (row n0 of a
-// 16-byte aligned W), tmis = its address & 15, last = N - 1 - n0 (rows past it
-// read row N - 1). UB: the unit's bytes, the most `used` may be. Each lane's
-// chunks are fixed by its lane number, so the index math is compile-time
-// constants and 32-bit offsets within the tile (the launcher checks that 16
-// rows span less than 2 GiB).
-template <int UB>
-__device__ __forceinline__ void bx_stage_rows(unsigned char* sw, int wrow, const unsigned char* __restrict__ Wt,
-                                              int tmis, int last, int row_bytes, int off, int used, int lane) {
-    constexpr int NCMAX = (UB + 30) / 16;
-#pragma unroll
-    for (int k = 0; k < (MQ_ROWS * NCMAX + 31) / 32; ++k) {
-        int i = lane + 32 * k, r = i / NCMAX, ch = i - r * NCMAX;
-        int at = min(r, last) * row_bytes + off;  // from the tile's first row
-        int mis = (tmis + at) & 15;
-        if (i < MQ_ROWS * NCMAX && 16 * ch < mis + used)
-            bx_cp_async(sw + r * wrow + 16 * ch, Wt + (at - mis + 16 * ch), 16);
-    }
-}
-
-// One warp's share of a tile: see the kernel's comment. smem: the block's
-// dynamic shared memory (each warp's two stages, then the subtree slots).
+// One warp's share of a tile: see the kernel's comment. Wt: the tile's first
+// record; smem: the block's dynamic shared memory (each warp's two stages,
+// then the subtree slots).
 template <int QT>
-__device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict__ W, float* __restrict__ y,
-                                                 const float* __restrict__ r, int n0,
-                                                 int N, int row_bytes, const signed char* __restrict__ xq,
-                                                 const float* __restrict__ xd, const int* __restrict__ xa, int M,
-                                                 int m0, int K, int g, int lanes, int blk0, int b_off, int nbs,
-                                                 int split, unsigned char* smem) {
-    constexpr bool ASYM = QT == BX_Q4_1 || QT == BX_Q4_K;
-    constexpr bool SUPER = QT == BX_Q4_K || QT == BX_Q6_K;  // a unit is one super-block
-    constexpr int UB = bx_unit_bytes(QT), WROW = bx_mq_wrow(QT), STAGE = bx_mq_stage(QT);
+__device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict__ Wt, float* __restrict__ y,
+                                                 const float* __restrict__ r, int n0, int N,
+                                                 const signed char* __restrict__ xq, const float* __restrict__ xd,
+                                                 const int* __restrict__ xa, int M, int m0, int K, int g, int lanes,
+                                                 int blk0, int nbs, int split, unsigned char* smem) {
+    constexpr bool NEED_A = QT != BX_Q8_0 && QT != BX_Q6_K;  // the offset term, or Q4_0's I = I(q) - 8a
+    constexpr int REC = bx_mq_rec(QT), CODES = REC - 128, STAGE = bx_mq_stage(QT);
     int lane = threadIdx.x & 31, gid = lane >> 2, c = lane & 3, wi = threadIdx.x >> 5;
     int nb = K >> 5;
     int lw = lanes / split, l0 = wi * lw, l = l0;           // this warp's contract lanes l0 .. l0 + lw - 1
     unsigned char* stage = smem + wi * 2 * STAGE;
     float(*part)[MQ_NV][32] = (float(*)[MQ_NV][32])(smem + split * 2 * STAGE);
     int b_lo = min(l0 * g, nbs), b_hi = min((l0 + lw) * g, nbs);
-    // unit u covers weight blocks wu .. wu + 7 (SUPER: super-block aligned)
-    int wu0 = SUPER ? ((b_lo + b_off) & ~7) : b_lo + b_off;
-    int n_units = b_hi > b_lo ? (b_hi + b_off - wu0 + 7) / 8 : 0;
-    // unit u's bytes in a row start at off0 + u * UB
-    size_t off0 = SUPER ? (size_t)(wu0 >> 3) * UB : (size_t)wu0 * (UB / 8);
-    const unsigned char* Wt = W + (size_t)n0 * row_bytes;  // the tile's first row
-    int tmis = (int)(((size_t)n0 * row_bytes) & 15);
-    // While the previous kernel runs: the first MQ_PF bytes of the warp's first unit of its 16 rows into L2.
-    for (int i = lane; i < MQ_ROWS * (MQ_PF / 128); i += 32) {
-        size_t off = off0 + (size_t)(i / MQ_ROWS) * 128;
-        if (n_units > 0 && off < (size_t)row_bytes)
-            bx_prefetch_l2(W + (size_t)min(n0 + i % MQ_ROWS, N - 1) * row_bytes + off);
-    }
+    int n_units = (b_hi - b_lo + MQ_UNIT - 1) / MQ_UNIT;    // unit u: blocks b_lo + 8u .. (at most 8)
+    const unsigned char* Wb = Wt + (size_t)b_lo * REC;     // the warp's records, one span
+    // While the previous kernel runs: the warp's first MQ_PF bytes of records into L2.
+    for (int i = lane; i < MQ_PF / 128; i += 32)
+        if (i * 128 < (b_hi - b_lo) * REC) bx_prefetch_l2(Wb + i * 128);
     bx_pdl_wait();
 
     // Issue the copies of unit u into stage buffer `buf`.
     auto issue = [&](int u, int buf) {
         unsigned char* sw = stage + buf * STAGE;
-        unsigned char* sq = sw + MQ_ROWS * WROW * 4;
+        unsigned char* sq = sw + MQ_UNIT * REC;
         float* sd = (float*)(sq + MQ_TT * 8 * 32);
         int* sa = (int*)(sd + MQ_TT * 8);
-        int wu = wu0 + 8 * u;
-        size_t off = off0 + (size_t)u * UB;
-        int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);  // the unit's blocks computed here
-        // Weight bytes: a K-quant's whole super-block; a flat type's blocks 0 .. bi_hi - 1 (bi_lo = 0). Past the
-        // last row, up to 15 bytes of the padding node/backend_cuda.py _upload leaves are read.
-        bx_stage_rows<UB>(sw, WROW * 4, Wt, tmis, N - 1 - n0, row_bytes, (int)off, SUPER ? UB : bi_hi * (UB / 8),
-                          lane);
+        int nbu = min(MQ_UNIT, b_hi - b_lo - MQ_UNIT * u);  // the unit's blocks
+        const unsigned char* src = Wb + (size_t)u * MQ_UNIT * REC;
+#pragma unroll
+        for (int k = 0; k < MQ_UNIT * REC / 16 / 32; ++k) {
+            int i = lane + 32 * k;
+            if (i < nbu * (REC / 16)) bx_cp_async(sw + 16 * i, src + 16 * i, 16);
+        }
         // x: the codes, d and a of 8 tokens for those blocks (dead tokens read token M-1); lane's chunk
         // i = lane + 32k is token i >> 4, block (i >> 1) & 7, half i & 1 of the codes, and token (i >> 3) & 7,
         // block i & 7 of d (i < 64) or a.
-        int xb = blk0 + wu - b_off;  // x's block of the unit's block 0
+        int xb = blk0 + b_lo + MQ_UNIT * u;  // x's block of the unit's block 0
 #pragma unroll
         for (int k = 0; k < MQ_TT * 8 * 2 / 32; ++k) {
             int i = lane + 32 * k, t = i >> 4, bi = (i >> 1) & 7;
-            if (bi >= bi_lo && bi < bi_hi)
+            if (bi < nbu)
                 bx_cp_async(sq + 16 * i, xq + (size_t)min(m0 + t, M - 1) * K + 32 * xb + 16 * (i & 15), 16);
         }
 #pragma unroll
         for (int k = 0; k < MQ_TT * 8 * 2 / 32; ++k) {
             int i = lane + 32 * k, t = (i >> 3) % MQ_TT, bi = i & 7;
             size_t src = (size_t)min(m0 + t, M - 1) * nb + xb + bi;
-            if (bi >= bi_lo && bi < bi_hi) {
+            if (bi < nbu) {
                 if (i < MQ_TT * 8) bx_cp_async(sd + (i & (MQ_TT * 8 - 1)), xd + src, 4);
-                else if (ASYM) bx_cp_async(sa + (i & (MQ_TT * 8 - 1)), xa + src, 4);
+                else if (NEED_A) bx_cp_async(sa + (i & (MQ_TT * 8 - 1)), xa + src, 4);
             }
         }
         asm volatile("cp.async.commit_group;");
@@ -276,20 +183,26 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         }
         __syncwarp();
         const unsigned char* sw = stage + (u & 1) * STAGE;
-        const unsigned char* sq = sw + MQ_ROWS * WROW * 4;
+        const unsigned char* sq = sw + MQ_UNIT * REC;
         const float* sd = (const float*)(sq + MQ_TT * 8 * 32);
         const int* sa = (const int*)(sd + MQ_TT * 8);
-        int wu = wu0 + 8 * u;
-        size_t off = off0 + (size_t)u * UB;
-        // staged rows gid and gid + 8 start (their address & 15) bytes before the unit
-        const unsigned char* u0 = sw + gid * WROW * 4 + ((tmis + min(gid, N - 1 - n0) * row_bytes + (int)off) & 15);
-        const unsigned char* u1 = sw + (gid + 8) * WROW * 4
-                                + ((tmis + min(gid + 8, N - 1 - n0) * row_bytes + (int)off) & 15);
-        int bi_lo = max(0, b_lo + b_off - wu), bi_hi = min(8, b_hi + b_off - wu);
+        int nbu = min(MQ_UNIT, b_hi - b_lo - MQ_UNIT * u);
 #pragma unroll
-        for (int bi = 0; bi < 8; ++bi) {
-            if (bi < bi_lo || bi >= bi_hi) continue;
-            BxRowBlock f0 = bx_row_block<QT>(u0, bi, c), f1 = bx_row_block<QT>(u1, bi, c);
+        for (int bi = 0; bi < MQ_UNIT; ++bi) {
+            if (bi >= nbu) break;
+            const unsigned char* rec = sw + bi * REC;
+            unsigned int wa[4];  // A fragments: rows gid, gid + 8 x elements 8c..8c+3, then 8c+4..8c+7
+            if (bx_mq_nibbles(QT)) {
+                uint2 p = *(const uint2*)(rec + 8 * lane);
+                wa[0] = p.x & 0x0F0F0F0Fu;
+                wa[1] = p.y & 0x0F0F0F0Fu;
+                wa[2] = (p.x >> 4) & 0x0F0F0F0Fu;
+                wa[3] = (p.y >> 4) & 0x0F0F0F0Fu;
+            } else {
+                uint4 p = *(const uint4*)(rec + 16 * lane);
+                wa[0] = p.x; wa[1] = p.y; wa[2] = p.z; wa[3] = p.w;
+            }
+            float4 sc = *(const float4*)(rec + CODES + 16 * gid);  // rows gid, gid + 8: scales, offsets
 #pragma unroll
             for (int t = 0; t < MQ_NT; ++t) {
                 if (t >= live_nt) break;
@@ -298,33 +211,37 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
                 if (QT == BX_Q6_K) {  // two MMAs: elements 0..15 (threads c < 2) and 16..31 (c >= 2)
                     unsigned int z = 0u, a[4];
                     bool first = c < 2;
-                    a[0] = first ? f0.lo : z; a[1] = first ? f1.lo : z;
-                    a[2] = first ? f0.hi : z; a[3] = first ? f1.hi : z;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) a[j] = first ? wa[j] : z;
                     int ia[4], ib[4];
                     bx_mma_s8(a, bx.x, bx.y, ia);
-                    a[0] = first ? z : f0.lo; a[1] = first ? z : f1.lo;
-                    a[2] = first ? z : f0.hi; a[3] = first ? z : f1.hi;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) a[j] = first ? z : wa[j];
                     bx_mma_s8(a, bx.x, bx.y, ib);
-                    // ia, ib: rows (gid, gid, gid+8, gid+8); each row's own sub-block scales
-                    isum[0] = f0.sca * ia[0] + f0.scb * ib[0];
-                    isum[1] = f0.sca * ia[1] + f0.scb * ib[1];
-                    isum[2] = f1.sca * ia[2] + f1.scb * ib[2];
-                    isum[3] = f1.sca * ia[3] + f1.scb * ib[3];
+                    // ia, ib: rows (gid, gid, gid+8, gid+8); each row's own sub-block scales (int16 pairs)
+                    int s0 = __float_as_int(sc.z), s1 = __float_as_int(sc.w);
+                    int a0 = (short)(s0 & 0xFFFF), b0 = s0 >> 16, a1 = (short)(s1 & 0xFFFF), b1 = s1 >> 16;
+                    isum[0] = a0 * ia[0] + b0 * ib[0];
+                    isum[1] = a0 * ia[1] + b0 * ib[1];
+                    isum[2] = a1 * ia[2] + b1 * ib[2];
+                    isum[3] = a1 * ia[3] + b1 * ib[3];
                 } else {
-                    unsigned int a[4] = {f0.lo, f1.lo, f0.hi, f1.hi};
-                    bx_mma_s8(a, bx.x, bx.y, isum);
+                    bx_mma_s8(wa, bx.x, bx.y, isum);
                 }
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {  // dead tokens' sums are never written
-                    const BxRowBlock& f = j < 2 ? f0 : f1;
                     int tk = 8 * t + 2 * c + (j & 1);
-                    float da = sd[tk * 8 + bi];
-                    float r = __fmul_rn(__fmul_rn(f.s, da), (float)isum[j]);
-                    if (ASYM) r = __fadd_rn(r, __fmul_rn(__fmul_rn(f.o, da), (float)sa[tk * 8 + bi]));
-                    acc[4 * t + j] = __fadd_rn(acc[4 * t + j], r);
+                    float s = j < 2 ? sc.x : sc.y, da = sd[tk * 8 + bi];
+                    if (QT == BX_Q4_0) isum[j] -= 8 * sa[tk * 8 + bi];  // codes stored as q = code + 8
+                    float rb = __fmul_rn(__fmul_rn(s, da), (float)isum[j]);
+                    if (QT == BX_Q4_1 || QT == BX_Q4_K) {
+                        float o = j < 2 ? sc.z : sc.w;
+                        rb = __fadd_rn(rb, __fmul_rn(__fmul_rn(o, da), (float)sa[tk * 8 + bi]));
+                    }
+                    acc[4 * t + j] = __fadd_rn(acc[4 * t + j], rb);
                 }
             }
-            int b = wu + bi - b_off;
+            int b = b_lo + MQ_UNIT * u + bi;
             if (b + 1 == (l + 1) * g || b + 1 == nbs) {  // lane l's range is complete
                 bx_counter_push(st, acc, l - l0);
                 ++l;
@@ -362,31 +279,31 @@ extern "C" __global__ void __launch_bounds__(256)
 matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
          const unsigned char* __restrict__ W2, float* __restrict__ y0, float* __restrict__ y1,
          float* __restrict__ y2, const float* __restrict__ r0, int N0, int N1, int N2, int qt0, int qt1, int qt2,
-         int rb0, int rb1, int rb2,
          const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xa, int M, int K,
-         int g, int lanes, int blk0, int b_off, int nbs, int split) {
+         int g, int lanes, int blk0, int nbs, int split) {
     extern __shared__ __align__(16) unsigned char bx_smem[];  // split * bx_mq_warp_smem[qtype] bytes
     int w = blockIdx.y;  // the row tile, over the matrices' tiles
     int w0 = (N0 + MQ_ROWS - 1) / MQ_ROWS, w1 = (N1 + MQ_ROWS - 1) / MQ_ROWS, w2 = (N2 + MQ_ROWS - 1) / MQ_ROWS;
     const unsigned char* W = W0;
     float* y = y0;
     const float* r = r0;
-    int N = N0, qtype = qt0, row_bytes = rb0;
+    int N = N0, qtype = qt0;
     if (w >= w0) {
         w -= w0;
-        W = W1; y = y1; r = nullptr; N = N1; qtype = qt1; row_bytes = rb1;
+        W = W1; y = y1; r = nullptr; N = N1; qtype = qt1;
         if (w >= w1) {
             w -= w1;
-            W = W2; y = y2; N = N2; qtype = qt2; row_bytes = rb2;
+            W = W2; y = y2; N = N2; qtype = qt2;
             if (w >= w2) {  // uniform per block
                 bx_pdl_wait();
                 return;
             }
         }
     }
-    int n0 = w * MQ_ROWS, m0 = blockIdx.x * MQ_TT;
-#define BX_MQ(QT) bx_matmul_q_warp<QT>(W, y, r, n0, N, row_bytes, xq, xd, xa, M, m0, K, g, lanes, blk0, b_off, nbs, \
-                                       split, bx_smem)
+    int m0 = blockIdx.x * MQ_TT;
+    size_t tile = (size_t)w * nbs;  // the tile's first record
+#define BX_MQ(QT) bx_matmul_q_warp<QT>(W + tile * bx_mq_rec(QT), y, r, w * MQ_ROWS, N, xq, xd, xa, M, m0, K, g, \
+                                       lanes, blk0, nbs, split, bx_smem)
     if (qtype == BX_Q8_0) BX_MQ(BX_Q8_0);
     else if (qtype == BX_Q4_0) BX_MQ(BX_Q4_0);
     else if (qtype == BX_Q4_1) BX_MQ(BX_Q4_1);

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import BitexactError, NumericFault
-from .gguf_model import FLOAT_TYPES, Model, float_values
+from .gguf_model import BLOCK_BYTES, FLOAT_TYPES, Model, block_fields, float_values
 from .kernels import COMPILE_OPTIONS
 from .reference import SPLIT_KV, WARP, lane_major, lane_terms, lane_width
 
@@ -36,6 +36,9 @@ MQ_ROWS, MF_ROWS = 16, 2  # output rows per tile of matmul_q (the MMA's M) / per
 MQ_NARROW = 128  # matmul_q launches of fewer row tiles than this split K over 8 warps per tile, others over 4
 ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
 SUPER_BLOCKS = {"Q4_K": 8, "Q6_K": 8}  # 32-element blocks per super-block (ggml k-quants); others: 1
+MQ_NIBBLES = ("Q4_0", "Q4_1", "Q4_K")  # weight types whose matmul_q records hold 4-bit codes (cuda/matmul.cu)
+MQ_SCALES = 128  # bytes of a record's scale words
+PACK_ROWS = 8192  # rows packed at a time (bounds the packing's temporary memory)
 MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes replayed through CUDA graphs
 
@@ -46,6 +49,74 @@ def mq_split(rows: list[int], lanes: int) -> int:
     changes no sum (the warps' subtrees meet as the tree's top levels)."""
     tiles = sum(-(-r // MQ_ROWS) for r in rows)
     return 8 if tiles < MQ_NARROW and lanes >= 8 else 4
+
+
+def mq_record_bytes(qtype: str) -> int:
+    """Bytes of one :func:`pack_q` record of a quantized type (cuda/matmul.cu bx_mq_rec)."""
+    return (256 if qtype in MQ_NIBBLES else 512) + MQ_SCALES
+
+
+def pack_q(xp, qtype: str, raw, b_off: int = 0, terms: int = 0):
+    """matmul_q's layout of quantized rows: uint8 ``[ceil(N/16), nbs, R]``.
+
+    ``raw``: ggml blocks of ``N`` rows (uint8 ``[N, row_bytes]``, numpy or CuPy
+    as ``xp``); the record of tile ``t`` (rows ``16t .. 16t + 15``, zero past
+    ``N``) and block ``b`` holds the fields of :func:`node.gguf_model.block_fields`
+    for blocks ``b_off .. b_off + nbs - 1`` of each row (``nbs = terms``, or all).
+    A record is the MMA's A fragments, then the scale words. Thread ``4 * gid
+    + c`` of a warp reads rows ``gid`` and ``gid + 8``, elements ``8c .. 8c + 7``:
+    - 4-bit types (R = 384): 8 bytes at ``8 * (4 * gid + c)``, row ``gid`` then
+      row ``gid + 8``, byte ``j`` holding element ``8c + j`` (low nibble) and
+      ``8c + 4 + j`` (high); a Q4_0 code is stored as ``q = code + 8``;
+    - Q8_0 and Q6_K (R = 640): 16 bytes at ``16 * (4 * gid + c)``: elements
+      ``8c .. 8c + 3`` of rows ``gid``, ``gid + 8``, then ``8c + 4 .. 8c + 7``
+      of rows ``gid``, ``gid + 8`` (int8);
+    - scale words: 16 bytes at ``R - 128 + 16 * gid``: the fp32 scales of rows
+      ``gid``, ``gid + 8``, then their fp32 offsets (+0 for symmetric types)
+      or, for Q6_K, their two int16 sub-block scales (elements 0..15 low,
+      16..31 high). Only bytes move, and scales are the decoder's own values.
+    Layout: mma.sync m16n8k32 A fragments (PTX ISA, "Matrix Fragments for
+    mma.m16n8k32"), with k-slots ``4c .. 4c + 3`` and ``16 + 4c .. 16 + 4c + 3``
+    holding elements ``8c .. 8c + 7``.
+    """
+    n = raw.shape[0]
+    tiles = -(-n // MQ_ROWS)
+    nbs = terms or (raw.shape[1] // BLOCK_BYTES[qtype][0] * BLOCK_BYTES[qtype][1] // 32 - b_off)
+    rec = mq_record_bytes(qtype)
+    out = xp.empty((tiles, nbs, rec), xp.uint8)
+    for r0 in range(0, n, PACK_ROWS):
+        codes, scale, offset, sub = block_fields(qtype, raw[r0:r0 + PACK_ROWS], xp)
+        part = slice(b_off, b_off + nbs)
+        codes, scale = codes[:, part], scale[:, part]
+        words = [scale.view(xp.uint32)]
+        if offset is not None:
+            words.append(offset[:, part].view(xp.uint32))
+        elif sub is not None:
+            s16 = sub[:, part].astype(xp.int16).view(xp.uint16).astype(xp.uint32)
+            words.append(s16[..., 0] | (s16[..., 1] << 16))
+        else:
+            words.append(xp.zeros_like(words[0]))
+        rows = codes.shape[0]
+        t = -(-rows // MQ_ROWS)
+        pad = t * MQ_ROWS - rows
+
+        def tiled(a):  # [rows, nbs, ...] -> [t, half, gid, nbs, ...], zero rows past N
+            if pad:
+                a = xp.concatenate([a, xp.zeros((pad,) + a.shape[1:], a.dtype)])
+            return a.reshape((t, 2, 8) + a.shape[1:])
+
+        c = tiled(codes).reshape(t, 2, 8, nbs, 4, 2, 4)            # element 8c + 4h + j
+        if qtype in MQ_NIBBLES:
+            u = (c + xp.int8(8 if qtype == "Q4_0" else 0)).view(xp.uint8)
+            frag = (u[..., 0, :] | (u[..., 1, :] << 4)).transpose(0, 3, 2, 4, 1, 5)   # [t, nbs, gid, c, half, j]
+        else:
+            frag = c.view(xp.uint8).transpose(0, 3, 2, 4, 5, 1, 6)   # [t, nbs, gid, c, h, half, j]
+        sw = xp.stack([tiled(w) for w in words], axis=1)             # [t, 2 (scale, offset), half, gid, nbs]
+        sw = sw.transpose(0, 4, 3, 1, 2)                             # [t, nbs, gid, word, half]
+        o = out[r0 // MQ_ROWS:r0 // MQ_ROWS + t]
+        o[..., :rec - MQ_SCALES] = frag.reshape(t, nbs, -1)
+        o[..., rec - MQ_SCALES:] = xp.ascontiguousarray(sw).view(xp.uint8).reshape(t, nbs, -1)
+    return out
 
 
 def module_ints(mod, name: str, n: int = 1) -> list[int]:
@@ -79,12 +150,12 @@ Q8_OUT = -1  # chunk width argument of rms_norm / silu_gate asking for q8 codes 
 class Mat(NamedTuple):
     """A weight matrix ``[N, K]``, or a tensor-parallel shard of one, as the matmul kernels read it.
 
-    ``data``: quantized blocks ``[N, row bytes]`` (uint8) or the elements
+    ``data``: :func:`pack_q` records of quantized weights or the elements
     lane-major over ``lanes`` lanes (:func:`node.reference.lane_major`).
     A column-parallel shard is some rows with the full K (``lanes = 32``); a
     row-parallel shard holds contract lanes ``lane0 .. lane0 + lanes - 1`` of
-    K (docs/determinism.md section 12): for quantized weights ``terms``
-    blocks per row, starting ``b_off`` blocks into its first super-block.
+    K (docs/determinism.md section 12): for quantized weights its ``terms``
+    blocks of each row (0: all).
     """
     data: object
     rows: int
@@ -92,7 +163,6 @@ class Mat(NamedTuple):
     k: int
     lanes: int = WARP
     lane0: int = 0
-    b_off: int = 0
     terms: int = 0
 
 
@@ -327,16 +397,15 @@ class CudaBackend:
         return self._upload(t, t.raw, t.rows)
 
     def _upload(self, t, raw, rows: int, lanes: int = WARP, lane0: int = 0, b_off: int = 0, terms: int = 0) -> Mat:
-        """:class:`Mat` of ``raw`` (``rows`` rows of tensor ``t``'s bytes, or a K shard of them)."""
+        """:class:`Mat` of ``raw`` (``rows`` rows of tensor ``t``'s bytes, or a K shard of
+        them whose ``terms`` blocks start ``b_off`` blocks into its first super-block)."""
         raw = np.ascontiguousarray(raw)
         if t.qtype in FLOAT_TYPES:
             elem = raw.view(np.uint32 if ESIZE[t.qtype] == 4 else np.uint16)
             return Mat(self.cp.asarray(lane_major(elem, lane_width(t.cols, ESIZE[t.qtype]), lanes)), rows,
-                       t.qtype, t.cols, lanes, lane0, b_off, terms)
-        # matmul_q's staged copies of the last row may end up to 15 bytes past it
-        buf = self.cp.zeros(raw.size + 256, self.cp.uint8)
-        buf[:raw.size].set(raw.reshape(-1))
-        return Mat(buf[:raw.size].reshape(raw.shape), rows, t.qtype, t.cols, lanes, lane0, b_off, terms)
+                       t.qtype, t.cols, lanes, lane0, terms)
+        return Mat(pack_q(self.cp, t.qtype, self.cp.asarray(raw), b_off, terms), rows, t.qtype, t.cols, lanes,
+                   lane0, terms)
 
     # ---- host/device -------------------------------------------------------
     def to_host(self, x) -> np.ndarray:
@@ -393,7 +462,7 @@ class CudaBackend:
         """Matrices of one fused launch: at most three with one K and one shard of it;
         returns (matrices, their N padded to three)."""
         ms = [self._mats[n] for n in names]
-        shard = {(m.k, m.lanes, m.lane0, m.b_off, m.terms) for m in ms}
+        shard = {(m.k, m.lanes, m.lane0, m.terms) for m in ms}
         _check(1 <= len(ms) <= 3 and len(shard) == 1, f"fused matmul of {names}: 1-3 matrices, one K and shard")
         _check(all(m.rows > 0 for m in ms), f"fused matmul of {names}: no empty matrix")
         return ms, [m.rows for m in ms] + [0] * (3 - len(ms))
@@ -427,8 +496,9 @@ class CudaBackend:
         g, nbs = lane_terms(nb), w0.terms or nb
         _check(k == w0.k and d.shape == (m, nb) and a.shape == (m, nb), f"matmul_q {names} K={w0.k}")
         _check(q.flags.c_contiguous and q.data.ptr % 16 == 0, "matmul_q: x codes contiguous, 16-byte aligned")
-        _check(all(w.qtype not in FLOAT_TYPES and w.data.data.ptr % 16 == 0 for w in ms),
-               "matmul_q takes quantized weights, 16-byte aligned")
+        _check(all(w.qtype not in FLOAT_TYPES and w.data.data.ptr % 16 == 0
+                   and w.data.shape == (-(-w.rows // MQ_ROWS), nbs, mq_record_bytes(w.qtype)) for w in ms),
+               "matmul_q takes quantized weights as pack_q records, 16-byte aligned")
         r = self._residual(residual, ms, m)
         _check(w0.lanes in (4, 8, 16, 32) and w0.lane0 % w0.lanes == 0
                and w0.lane0 * g + nbs <= nb
@@ -438,14 +508,11 @@ class CudaBackend:
         ws = [w.data for w in ms] + [w0.data] * pad
         yy = ys + [ys[0]] * pad
         qt = [QTYPE_IDS[w.qtype] for w in ms] + [0] * pad
-        rb = [w.data.shape[1] for w in ms] + [0] * pad
-        _check(MQ_ROWS * max(rb) < 2 ** 31, "matmul_q: a tile's 16 rows must span < 2 GiB (32-bit offsets)")
         split = mq_split(rows, w0.lanes)
         self.k["matmul_q"](self._matmul_grid(m, rows, 1, MQ_ROWS, self.mq_tokens), (32 * split,),
                            (*ws, *yy, r, *(np.int32(n) for n in rows), *(np.int32(v) for v in qt),
-                            *(np.int32(v) for v in rb), q, d, a, np.int32(m), np.int32(k), np.int32(g),
-                            np.int32(w0.lanes), np.int32(w0.lane0 * g), np.int32(w0.b_off), np.int32(nbs),
-                            np.int32(split)),
+                            q, d, a, np.int32(m), np.int32(k), np.int32(g),
+                            np.int32(w0.lanes), np.int32(w0.lane0 * g), np.int32(nbs), np.int32(split)),
                            shared_mem=split * max(self.mq_warp_smem[v] for v in qt[:len(ms)]))
         return ys
 

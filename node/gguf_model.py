@@ -252,9 +252,9 @@ def default_model_path() -> str:
 # --------------------------------------------------------------------------
 # Block decoding (docs/determinism.md, "Weights").
 
-def _f16(b: np.ndarray) -> np.ndarray:
+def _f16(b, xp=np):
     """Little-endian fp16 from two trailing uint8 columns, widened exactly to fp32."""
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+    return xp.ascontiguousarray(b).view(xp.float16)[..., 0].astype(xp.float32)
 
 
 def float_values(t: Tensor) -> np.ndarray:
@@ -270,44 +270,48 @@ def float_values(t: Tensor) -> np.ndarray:
     raise ModelError(f"tensor {t.name}: {t.qtype} is not a float type")
 
 
-def decode_blocks(qtype: str, raw: np.ndarray):
-    """Decode ggml blocks of rows ``raw`` (uint8 ``[N, row_bytes]``).
+def block_fields(qtype: str, raw, xp=np):
+    """Decode ggml blocks of rows ``raw`` (uint8 ``[N, row_bytes]``) into their fields.
 
-    Returns ``(codes, scale, offset)``: ``codes`` int8/int16 ``[N, nb, 32]``,
-    ``scale`` fp32 ``[N, nb]`` and ``offset`` fp32 ``[N, nb]`` or ``None`` for
-    symmetric types, with ``nb = K / 32``. Scale and offset products are fp32
-    products of the fp16 fields (round to nearest even).
+    Returns ``(codes, scale, offset, sub)``: ``codes`` int8 ``[N, nb, 32]``,
+    ``scale`` fp32 ``[N, nb]``, ``offset`` fp32 ``[N, nb]`` or ``None`` for
+    symmetric types, and for Q6_K ``sub`` int8 ``[N, nb, 2]``, the scales of
+    elements 0..15 and 16..31 of each block (``None`` for other types), with
+    ``nb = K / 32``. Q4_0 codes are ``q - 8`` and Q6_K codes ``q - 32``. Scale
+    and offset are fp32 products of the fp16 fields and the 6-bit K-quant
+    scales, which are exact (at most 17 significant bits). ``xp`` is numpy, or
+    CuPy for arrays on the GPU (node/backend_cuda.py packs weights there).
+    Layouts: ggml-common.h ``block_q8_0`` .. ``block_q6_K``.
     """
     bb, be = BLOCK_BYTES[qtype]
     n = raw.shape[0]
-    b = np.ascontiguousarray(raw).reshape(n, -1, bb)
+    b = xp.ascontiguousarray(raw).reshape(n, -1, bb)
     if qtype == "Q8_0":
-        return b[..., 2:].view(np.int8).copy(), _f16(b[..., 0:2]), None
+        return b[..., 2:].view(xp.int8).copy(), _f16(b[..., 0:2], xp), None, None
     if qtype in ("Q4_0", "Q4_1"):
         qs = b[..., 2:18] if qtype == "Q4_0" else b[..., 4:20]
-        codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int8)
+        codes = xp.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(xp.int8)
         if qtype == "Q4_0":
-            return codes - np.int8(8), _f16(b[..., 0:2]), None
-        return codes, _f16(b[..., 0:2]), _f16(b[..., 2:4])
+            return codes - xp.int8(8), _f16(b[..., 0:2], xp), None, None
+        return codes, _f16(b[..., 0:2], xp), _f16(b[..., 2:4], xp), None
     if qtype == "Q4_K":
-        d, dmin, sc12, qs = _f16(b[..., 0:2]), _f16(b[..., 2:4]), b[..., 4:16], b[..., 16:144]
-        j = np.arange(4)
-        sc = np.empty(b.shape[:2] + (8,), np.uint8)
-        mn = np.empty_like(sc)
-        sc[..., :4] = sc12[..., j] & 63
-        mn[..., :4] = sc12[..., j + 4] & 63
-        sc[..., 4:] = (sc12[..., j + 8] & 0xF) | ((sc12[..., j] >> 6) << 4)
-        mn[..., 4:] = (sc12[..., j + 8] >> 4) | ((sc12[..., j + 4] >> 6) << 4)
+        d, dmin, sc12, qs = _f16(b[..., 0:2], xp), _f16(b[..., 2:4], xp), b[..., 4:16], b[..., 16:144]
+        sc = xp.empty(b.shape[:2] + (8,), xp.uint8)
+        mn = xp.empty_like(sc)
+        for j in range(4):
+            sc[..., j] = sc12[..., j] & 63
+            mn[..., j] = sc12[..., j + 4] & 63
+            sc[..., j + 4] = (sc12[..., j + 8] & 0xF) | ((sc12[..., j] >> 6) << 4)
+            mn[..., j + 4] = (sc12[..., j + 8] >> 4) | ((sc12[..., j + 4] >> 6) << 4)
         q = qs.reshape(n, -1, 4, 32)
-        codes = np.stack([q & 0xF, q >> 4], axis=3).reshape(n, -1, 32).astype(np.int8)
-        scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
-        offset = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
-        return codes, scale, offset
+        codes = xp.stack([q & 0xF, q >> 4], axis=3).reshape(n, -1, 32).astype(xp.int8)
+        scale = (d[..., None] * sc.astype(xp.float32)).reshape(n, -1)
+        offset = -(dmin[..., None] * mn.astype(xp.float32)).reshape(n, -1)
+        return codes, scale, offset, None
     if qtype == "Q6_K":
         ql, qh = b[..., 0:128], b[..., 128:192]
-        scales = b[..., 192:208].view(np.int8).astype(np.int16)
-        d = _f16(b[..., 208:210])
-        q = np.empty(b.shape[:2] + (256,), np.int16)
+        d = _f16(b[..., 208:210], xp)
+        q = xp.empty(b.shape[:2] + (256,), xp.uint8)
         for h in range(2):
             l0, l1, hh = ql[..., 64 * h:64 * h + 32], ql[..., 64 * h + 32:64 * h + 64], qh[..., 32 * h:32 * h + 32]
             base = 128 * h
@@ -315,10 +319,24 @@ def decode_blocks(qtype: str, raw: np.ndarray):
             q[..., base + 32:base + 64] = (l1 & 0xF) | (((hh >> 2) & 3) << 4)
             q[..., base + 64:base + 96] = (l0 >> 4) | (((hh >> 4) & 3) << 4)
             q[..., base + 96:base + 128] = (l1 >> 4) | (((hh >> 6) & 3) << 4)
-        codes = (q - 32) * np.repeat(scales, 16, axis=-1)
-        scale = np.repeat(d[..., None], 8, axis=-1)
-        return codes.reshape(n, -1, 32), scale.reshape(n, -1), None
+        codes = q.astype(xp.int8) - xp.int8(32)
+        sub = xp.ascontiguousarray(b[..., 192:208]).view(xp.int8)
+        scale = xp.repeat(d[..., None], 8, axis=-1)
+        return codes.reshape(n, -1, 32), scale.reshape(n, -1), None, sub.reshape(n, -1, 2)
     raise ModelError(f"{qtype} is not a quantized type")
+
+
+def decode_blocks(qtype: str, raw: np.ndarray):
+    """Decode ggml blocks of rows ``raw`` (uint8 ``[N, row_bytes]``) as the reference engine reads them.
+
+    Returns ``(codes, scale, offset)`` of :func:`block_fields`, where a Q6_K
+    code is ``(q - 32) * sub-block scale`` (int16, exact). Raises ModelError
+    for a type that is not quantized.
+    """
+    codes, scale, offset, sub = block_fields(qtype, raw)
+    if sub is not None:
+        codes = codes.astype(np.int16) * np.repeat(sub.astype(np.int16), 16, axis=-1)
+    return codes, scale, offset
 
 
 def dequantize_rows(t: Tensor, rows: np.ndarray) -> np.ndarray:

@@ -6,7 +6,8 @@ and, for matmul_q, ``split=4`` or ``split=8`` warps per tile instead of the
 node's choice (node/backend_cuda.py mq_split); none of them changes any sum.
 matmul_f reads BF16 weights; matmul_q reads the shapes' quantized type (8B:
 Q4_K; SmolLM2: Q4_1, LM head Q8_0, as the default model) with random codes
-and scales 2^-7, and activations quantized by quantize_q8. For each product
+and scales 2^-7, packed as the node packs them, and activations quantized
+by quantize_q8. For each product
 (Q/K/V fused, O, gate/up fused, down, LM head) and batch 1, 8, 32 it replays
 a CUDA graph of 20 launches that cycle over weight copies larger than L2
 (launched as the node launches them, with programmatic dependent launch, so
@@ -68,13 +69,12 @@ def weights(cp, kernel: str, qtype: str, n: int, k: int):
     """Random weights ``[n, k]``: BF16 bits (matmul_f) or ``qtype`` blocks with scales 2^-7 (matmul_q)."""
     if kernel == "matmul_f":
         return (cp.random.standard_normal((n, k), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+    from node.backend_cuda import pack_q
     bb, be = BLOCK_BYTES[qtype]
     w = cp.random.randint(0, 256, (n, k // be, bb), dtype=cp.uint8)
     for at in {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}[qtype]:
         w[:, :, at:at + 2] = cp.asarray(np.array([0x2000], np.uint16).view(np.uint8))  # fp16 scales 2^-7 (ggml)
-    buf = cp.zeros(w.size + 256, cp.uint8)  # padded as node/backend_cuda.py _upload pads
-    buf[:w.size] = w.reshape(-1)
-    return buf[:w.size].reshape(n, -1)
+    return pack_q(cp, qtype, w.reshape(n, -1))  # the records node/backend_cuda.py uploads
 
 
 def time_variant(cp, kernel, fns, params, ns, k, qtype, x, wsets, once=False):
@@ -100,10 +100,8 @@ def time_variant(cp, kernel, fns, params, ns, k, qtype, x, wsets, once=False):
         grid, block = ((m + tt - 1) // tt, sum(-(-n // 16) for n in ns)), (32 * split,)
         smem = split * module_ints(mod, "bx_mq_warp_smem", len(QTYPE_IDS))[QTYPE_IDS[qtype]]
         fn.max_dynamic_shared_size_bytes = smem
-        rb = k // BLOCK_BYTES[qtype][1] * BLOCK_BYTES[qtype][0]
-        tail = (*(np.int32(QTYPE_IDS[qtype]) for _ in range(3)), *(np.int32(rb) for _ in range(3)), q, d, a,
-                np.int32(m), np.int32(k), np.int32(lane_terms(nb)), np.int32(32), np.int32(0), np.int32(0),
-                np.int32(nb), np.int32(split))
+        tail = (*(np.int32(QTYPE_IDS[qtype]) for _ in range(3)), q, d, a, np.int32(m), np.int32(k),
+                np.int32(lane_terms(nb)), np.int32(32), np.int32(0), np.int32(nb), np.int32(split))
 
     def launch(ws):
         residual = () if kernel == "matmul_f" else (None,)  # matmul_q's residual: none
@@ -152,13 +150,15 @@ def main() -> int:
         import cupy as cp
     except ImportError:
         ap.error("CuPy is not installed: this script runs on the GPU machine")
+    from node.backend_cuda import mq_record_bytes
 
     variants = [(v or "defaults", *compile_variant(cp, args.kernel, v.split())) for v in args.variants]
     report = {"kernel": args.kernel, "shapes": args.shapes, "runs": [],
               "variants": {name: {"registers": fns[0].fn.num_regs, "local_bytes": fns[0].fn.local_size_bytes}
                            for name, fns, _ in variants}}
     for shape, (ns, k, qtype) in SHAPES[args.shapes].items():
-        nbytes = sum(ns) * k * (2 if args.kernel == "matmul_f" else BLOCK_BYTES[qtype][0] / BLOCK_BYTES[qtype][1])
+        nbytes = sum(ns) * k * 2 if args.kernel == "matmul_f" else \
+            sum(-(-n // 16) for n in ns) * (k // 32) * mq_record_bytes(qtype)   # bytes the kernel reads
         copies = int(300e6 // nbytes) + 1      # cycle over > 300 MB: no L2 reuse
         wsets = [[weights(cp, args.kernel, qtype, n, k) for n in ns] for _ in range(copies)]
         for m in BATCHES:

@@ -130,10 +130,9 @@ def test_matmul_twin(models, backends, qtype, m):
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_matmul_q_splits_and_copy_widths(tmp_path, monkeypatch, qtype):
     """matmul_q with 4 and with 8 warps per tile equals the twin. Flat types take
-    SmolLM2's K = 576 and 1536 (18 and 48 blocks, so warps own partial units),
-    whose rows (Q4_1: 360 bytes, Q8_0: 612, Q4_0: 324) start at every offset
-    into a 16-byte chunk that is staged; K-quants take K = 768 and 1536 (3 and
-    6 super-blocks; Q6_K rows of 630 bytes are not 16-byte aligned either)."""
+    SmolLM2's K = 576 and 1536 (18 and 48 blocks, so warps own partial units of
+    records and contract lanes of 0 or 1 blocks); K-quants take K = 768 and
+    1536 (24 and 48 blocks); N = 300 leaves the last tile 12 rows short."""
     import node.backend_cuda as bc
     shape = (768, 1, 4, 2, 1536, 300) if qtype in ("Q4_K", "Q6_K") else (576, 1, 9, 3, 1536, 300)
     model = load_model(write_model(str(tmp_path / "k.gguf"), shape, qtype, seed=5))

@@ -115,6 +115,57 @@ def test_matmul_q_close_to_float64(qtype, bb, be):
     assert np.abs(y - x.astype(np.float64) @ w64.T).max() < 0.02 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_pack_q_records_give_each_thread_its_fragments(qtype):
+    """Reading pack_q's records as cuda/matmul.cu does (thread 4 * gid + c: rows
+    gid and gid + 8, elements 8c .. 8c + 7, then the scale words) gives back the
+    reference decoder's codes, scales and offsets, for a shard of blocks
+    starting inside a super-block and rows that do not fill the last tile."""
+    from node.backend_cuda import mq_record_bytes, pack_q
+    from node.synth import _quant_rows
+    n, k = 37, 1024
+    raw = _quant_rows(np.random.default_rng(3), qtype, n, k, 1.0)
+    codes, scale, offset = decode_blocks(qtype, raw)
+    b_off, terms = 3, 17
+    rec = pack_q(np, qtype, raw, b_off, terms)
+    r = mq_record_bytes(qtype)
+    assert rec.shape == (3, terms, r) and rec.dtype == np.uint8
+    got_codes = np.zeros((48, terms, 32), np.int32)
+    got_words = np.zeros((48, terms, 2), np.uint32)
+    for lane in range(32):
+        gid, c = lane >> 2, lane & 3
+        rows = [gid, gid + 8]
+        if r == 384:
+            p = rec[:, :, 8 * lane:8 * lane + 8].astype(np.int32)
+            for half in range(2):
+                for j in range(4):
+                    byte = p[:, :, 4 * half + j]
+                    bias = 8 if qtype == "Q4_0" else 0
+                    got_codes[rows[half]::16, :, 8 * c + j] = (byte & 15) - bias
+                    got_codes[rows[half]::16, :, 8 * c + 4 + j] = (byte >> 4) - bias
+        else:
+            p = rec[:, :, 16 * lane:16 * lane + 16].view(np.int8).astype(np.int32)
+            for h in range(2):
+                for half in range(2):
+                    got_codes[rows[half]::16, :, 8 * c + 4 * h:8 * c + 4 * h + 4] = p[:, :, 8 * h + 4 * half:][..., :4]
+        words = np.ascontiguousarray(rec[:, :, r - 128 + 16 * gid:r - 112 + 16 * gid]).view(np.uint32)
+        for half in range(2):
+            got_words[rows[half]::16, :, 0] = words[..., half]
+            got_words[rows[half]::16, :, 1] = words[..., 2 + half]
+    part = slice(b_off, b_off + terms)
+    assert not got_codes[n:].any() and not got_words[n:].any()      # rows past N: zero
+    assert np.array_equal(got_words[:n, :, 0].view(np.float32), scale[:, part])
+    if qtype == "Q6_K":   # int16 sub-block scales of elements 0..15 (low) and 16..31 (high)
+        sub = got_words[:n, :, 1]
+        lo, hi = (sub & 0xFFFF).astype(np.uint16).view(np.int16), (sub >> 16).astype(np.uint16).view(np.int16)
+        got = got_codes[:n] * np.repeat(np.stack([lo, hi], -1), 16, axis=-1)
+        assert np.array_equal(got, codes[:, part])
+    else:
+        assert np.array_equal(got_codes[:n], codes[:, part])
+        want = offset[:, part] if offset is not None else np.zeros((n, terms), np.float32)
+        assert got_words[:n, :, 1].tobytes() == want.view(np.uint32).tobytes()
+
+
 def test_matmul_f_and_rms_norm_close_to_float64():
     x = rng.standard_normal((4, 300)).astype(F32)
     w = rng.standard_normal((50, 300)).astype(F32)
