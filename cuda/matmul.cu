@@ -29,9 +29,11 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 // outputs (integer sums are order-free). Thread (gid = lane >> 2, c = lane & 3)
 // owns the MMAs' C elements (rows gid and gid + 8, tokens 8t + 2c and 8t + 2c + 1) and
 // folds r_b into them in ascending b: the running sum of contract lane L's
-// range (blocks L*g .. L*g+g-1); when a range ends its value joins a binary
-// counter, which adds neighbours first exactly as warp_sum's xor-butterfly
-// does (fp32 addition is commutative). A tensor-parallel shard
+// range (blocks L*g .. L*g+g-1). When a range ends its value joins a binary
+// counter over the lane's group of MQ_SLOTS lanes, and a complete group's
+// subtree goes to a shared-memory slot; the tree over the slots then adds
+// neighbours first exactly as warp_sum's xor-butterfly does (fp32 addition
+// is commutative). A tensor-parallel shard
 // (docs/determinism.md section 12) is the same walk over its `lanes` contract
 // lanes of nbs blocks, and x's block is blk0 + b. Up to three matrices with
 // the same K (Q/K/V, gate/up) in one launch; grid x walks token tiles so a row
@@ -47,14 +49,16 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 #define MQ_TM 8     // tokens per warp of matmul_f
 #define MQ_ROWS 16  // output rows per tile (the MMA's M)
 #define MQ_UNIT 8   // records per staged unit
-// Tile constant (none changes any sum; scripts/tune_matmul.py times variants).
-// bx_counter_push holds 4 levels, so a warp may own at most 8 of the 32 lanes:
-// split is 4 or 8 and at most `lanes` (launcher).
+// Tile constants (none changes any sum; scripts/tune_matmul.py times variants).
+// A warp's lanes are whole groups: split is 2, 4 or 8 and at most lanes / MQ_SLOTS (launcher).
 #ifndef MQ_NT
 #define MQ_NT 1     // MMAs of 8 tokens per tile
 #endif
 #ifndef MQ_PF
 #define MQ_PF 4096  // bytes of a warp's first records hinted into L2 before the previous kernel ends
+#endif
+#ifndef MQ_SLOTS
+#define MQ_SLOTS 2  // contract lanes per shared-memory slot: 1, 2 or 4 (node/backend_cuda.py MQ_SLOTS)
 #endif
 #define MQ_TT (8 * MQ_NT)                  // tokens per tile
 #define MQ_NV (4 * MQ_NT)                  // C elements per thread
@@ -67,14 +71,15 @@ __host__ __device__ constexpr int bx_mq_rec(int qt) { return (bx_mq_nibbles(qt) 
 __host__ __device__ constexpr int bx_mq_stage(int qt) {
     return MQ_UNIT * bx_mq_rec(qt) + MQ_TT * 8 * 32 + 2 * MQ_TT * 8 * 4;
 }
-// Per warp: two stages and its subtree slots.
-__host__ __device__ constexpr int bx_mq_warp_bytes(int qt) { return 2 * bx_mq_stage(qt) + MQ_NV * 32 * 4; }
+// Per warp: two stages; per contract lane: its share of a slot (MQ_NV values per thread).
+__host__ __device__ constexpr int bx_mq_warp_bytes(int qt) { return 2 * bx_mq_stage(qt); }
 // Read by node/backend_cuda.py: dynamic shared memory = split * bx_mq_warp_smem[weight type id]
-// (the largest over a launch's types); tokens per tile.
+// (the largest over a launch's types) + lanes * bx_mq_lane_smem; tokens per tile.
 extern "C" __constant__ int bx_mq_warp_smem[8] = {0, 0, 0, bx_mq_warp_bytes(BX_Q8_0), bx_mq_warp_bytes(BX_Q4_0),
                                                   bx_mq_warp_bytes(BX_Q4_1), bx_mq_warp_bytes(BX_Q4_K),
                                                   bx_mq_warp_bytes(BX_Q6_K)};
 extern "C" __constant__ int bx_mq_tokens = MQ_TT;
+extern "C" __constant__ int bx_mq_lane_smem = MQ_NV * 32 * 4 / MQ_SLOTS;
 
 // C[16 x 8] (s32) = A[16 x 32] (s8, rows) * B[32 x 8] (s8, columns), one warp.
 __device__ __forceinline__ void bx_mma_s8(const unsigned int* a, unsigned int b0, unsigned int b1, int* d) {
@@ -90,14 +95,15 @@ __device__ __forceinline__ void bx_cp_async(void* smem, const void* gmem, int by
     else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem));
 }
 
-// The contract lane value v[i] of lane `l` joins the counter st (levels 0..3);
-// after lane 2^k - 1 the subtree of lanes 0 .. 2^k - 1 is in st[k].
-__device__ __forceinline__ void bx_counter_push(float (&st)[4][MQ_NV], float (&v)[MQ_NV], int l) {
+// The value v[i] of the lane at position j of its group joins the counter st
+// (levels 0 .. log2(MQ_SLOTS) - 1); after the group's last lane (j = MQ_SLOTS -
+// 1) v holds the group's subtree and the function returns true.
+__device__ __forceinline__ bool bx_group_push(float (&st)[2][MQ_NV], float (&v)[MQ_NV], int j) {
     bool carry = true;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; (1 << k) < MQ_SLOTS; ++k) {
         if (carry) {
-            if ((l >> k) & 1) {
+            if ((j >> k) & 1) {
 #pragma unroll
                 for (int i = 0; i < MQ_NV; ++i) v[i] = __fadd_rn(st[k][i], v[i]);
             } else {
@@ -107,11 +113,12 @@ __device__ __forceinline__ void bx_counter_push(float (&st)[4][MQ_NV], float (&v
             }
         }
     }
+    return carry;
 }
 
 // One warp's share of a tile: see the kernel's comment. Wt: the tile's first
 // record; smem: the block's dynamic shared memory (each warp's two stages,
-// then the subtree slots).
+// then the slots of the shard's lanes / MQ_SLOTS groups).
 template <int QT>
 __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict__ Wt, float* __restrict__ y,
                                                  const float* __restrict__ r, int n0, int N,
@@ -124,7 +131,7 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
     int nb = K >> 5;
     int lw = lanes / split, l0 = wi * lw, l = l0;           // this warp's contract lanes l0 .. l0 + lw - 1
     unsigned char* stage = smem + wi * 2 * STAGE;
-    float(*part)[MQ_NV][32] = (float(*)[MQ_NV][32])(smem + split * 2 * STAGE);
+    float(*slot)[MQ_NV][32] = (float(*)[MQ_NV][32])(smem + split * 2 * STAGE);  // slot of lanes P*s .. P*s+P-1
     int b_lo = min(l0 * g, nbs), b_hi = min((l0 + lw) * g, nbs);
     int n_units = (b_hi - b_lo + MQ_UNIT - 1) / MQ_UNIT;    // unit u: blocks b_lo + 8u .. (at most 8)
     const unsigned char* Wb = Wt + (size_t)b_lo * REC;     // the warp's records, one span
@@ -169,7 +176,7 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
     };
 
     // C element 4t + j: row gid + 8 * (j >> 1), token m0 + 8t + 2c + (j & 1)
-    float acc[MQ_NV], st[4][MQ_NV];
+    float acc[MQ_NV], st[2][MQ_NV];
 #pragma unroll
     for (int i = 0; i < MQ_NV; ++i) acc[i] = 0.0f;
     int live_nt = min(MQ_NT, (M - m0 + 7) / 8);  // MMAs with a live token
@@ -243,7 +250,10 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
             }
             int b = b_lo + MQ_UNIT * u + bi;
             if (b + 1 == (l + 1) * g || b + 1 == nbs) {  // lane l's range is complete
-                bx_counter_push(st, acc, l - l0);
+                if (bx_group_push(st, acc, l & (MQ_SLOTS - 1))) {
+#pragma unroll
+                    for (int i = 0; i < MQ_NV; ++i) slot[l / MQ_SLOTS][i][lane] = acc[i];
+                }
                 ++l;
 #pragma unroll
                 for (int i = 0; i < MQ_NV; ++i) acc[i] = 0.0f;
@@ -255,33 +265,33 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
         float z[MQ_NV];
 #pragma unroll
         for (int i = 0; i < MQ_NV; ++i) z[i] = 0.0f;
-        bx_counter_push(st, z, l - l0);
+        if (bx_group_push(st, z, l & (MQ_SLOTS - 1))) {
+#pragma unroll
+            for (int i = 0; i < MQ_NV; ++i) slot[l / MQ_SLOTS][i][lane] = z[i];
+        }
     }
-    int top = 31 - __clz(lw);  // after its last lane the counter's level log2(lw) holds the warp's subtree
-#pragma unroll
-    for (int i = 0; i < MQ_NV; ++i)
-        part[wi][i][lane] = top == 0 ? st[0][i] : top == 1 ? st[1][i] : top == 2 ? st[2][i] : st[3][i];
     __syncthreads();
-    if (wi != 0) return;
+    for (int i = wi; i < MQ_NV; i += split) {  // the tree over the slots, neighbours first
+        constexpr int S = 32 / MQ_SLOTS;
+        int ns = lanes / MQ_SLOTS;
+        float v[S];
 #pragma unroll
-    for (int i = 0; i < MQ_NV; ++i) {  // the tree's top levels over the warps' subtrees, neighbours first
-        float v[8];
-#pragma unroll
-        for (int s = 0; s < 8; ++s) v[s] = s < split ? part[s][i][lane] : 0.0f;
-        float sum = split == 8 ? bx_tree<8>(v) : bx_tree<4>(v);
+        for (int k = 0; k < S; ++k) v[k] = k < ns ? slot[k][i][lane] : 0.0f;
+        float sum = ns == S ? bx_tree<S>(v) : ns == S / 2 ? bx_tree<S / 2>(v) : ns == S / 4 ? bx_tree<S / 4>(v)
+                                                                            : bx_tree<S / 8>(v);
         int n = n0 + gid + 8 * ((i >> 1) & 1), m = m0 + 8 * (i >> 2) + 2 * c + (i & 1);
         size_t o = (size_t)m * N + n;
         if (n < N && m < M) y[o] = r ? __fadd_rn(r[o], sum) : sum;  // the residual add, fused
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 1)  // (256) alone lets ptxas spill at 80 registers
 matmul_q(const unsigned char* __restrict__ W0, const unsigned char* __restrict__ W1,
          const unsigned char* __restrict__ W2, float* __restrict__ y0, float* __restrict__ y1,
          float* __restrict__ y2, const float* __restrict__ r0, int N0, int N1, int N2, int qt0, int qt1, int qt2,
          const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xa, int M, int K,
          int g, int lanes, int blk0, int nbs, int split) {
-    extern __shared__ __align__(16) unsigned char bx_smem[];  // split * bx_mq_warp_smem[qtype] bytes
+    extern __shared__ __align__(16) unsigned char bx_smem[];  // split * bx_mq_warp_smem[qtype] + lanes * bx_mq_lane_smem
     int w = blockIdx.y;  // the row tile, over the matrices' tiles
     int w0 = (N0 + MQ_ROWS - 1) / MQ_ROWS, w1 = (N1 + MQ_ROWS - 1) / MQ_ROWS, w2 = (N2 + MQ_ROWS - 1) / MQ_ROWS;
     const unsigned char* W = W0;

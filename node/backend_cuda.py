@@ -34,6 +34,7 @@ KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.c
 MQ_TM, MF_WARPS = 8, 8  # tokens and warps per block of matmul_f
 MQ_ROWS, MF_ROWS = 16, 2  # output rows per tile of matmul_q (the MMA's M) / per warp of matmul_f
 MQ_NARROW = 128  # matmul_q launches of fewer row tiles than this split K over 8 warps per tile, others over 4
+MQ_SLOTS = 2  # contract lanes per shared-memory slot of matmul_q (a warp owns whole groups of them)
 ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
 SUPER_BLOCKS = {"Q4_K": 8, "Q6_K": 8}  # 32-element blocks per super-block (ggml k-quants); others: 1
 MQ_NIBBLES = ("Q4_0", "Q4_1", "Q4_K")  # weight types whose matmul_q records hold 4-bit codes (cuda/matmul.cu)
@@ -44,11 +45,12 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes replayed through 
 
 
 def mq_split(rows: list[int], lanes: int) -> int:
-    """Warps per matmul_q tile (4 or 8) for matrices of ``rows`` output rows whose
-    K spans ``lanes`` contract lanes. Chosen from the model's dimensions only; it
-    changes no sum (the warps' subtrees meet as the tree's top levels)."""
+    """Warps per matmul_q tile (8, 4, or fewer for a shard of few lanes) for
+    matrices of ``rows`` output rows whose K spans ``lanes`` contract lanes; each
+    warp owns whole groups of MQ_SLOTS lanes. Chosen from the model's dimensions
+    only; it changes no sum (the warps' slots meet in the tree's top levels)."""
     tiles = sum(-(-r // MQ_ROWS) for r in rows)
-    return 8 if tiles < MQ_NARROW and lanes >= 8 else 4
+    return min(8 if tiles < MQ_NARROW and lanes >= 8 else 4, lanes // MQ_SLOTS)
 
 
 def mq_record_bytes(qtype: str) -> int:
@@ -342,10 +344,12 @@ class CudaBackend:
             for n in ("rms_norm", "attention_split", "matmul_q"):
                 self.k[n].max_dynamic_shared_size_bytes = MAX_SMEM
             # launch shapes the kernel sources define: matmul_q's tokens per tile and dynamic shared
-            # memory per warp by weight type (cuda/matmul.cu), RMSNorm's threads (cuda/norm.cu)
+            # memory per warp by weight type and per contract lane (cuda/matmul.cu), RMSNorm's
+            # threads (cuda/norm.cu)
             (self.mq_tokens,) = module_ints(mods["matmul.cu"], "bx_mq_tokens")
             (self.rn_threads,) = module_ints(mods["norm.cu"], "bx_rn_threads")
             self.mq_warp_smem = module_ints(mods["matmul.cu"], "bx_mq_warp_smem", len(QTYPE_IDS))
+            (self.mq_lane_smem,) = module_ints(mods["matmul.cu"], "bx_mq_lane_smem")
             # Float matrices are kept lane-major for matmul_f (token_embd stays
             # row-major for embed, plus a matrix of its own when it is the LM head).
             self._weights, self._mats = {}, {}
@@ -513,7 +517,8 @@ class CudaBackend:
                            (*ws, *yy, r, *(np.int32(n) for n in rows), *(np.int32(v) for v in qt),
                             q, d, a, np.int32(m), np.int32(k), np.int32(g),
                             np.int32(w0.lanes), np.int32(w0.lane0 * g), np.int32(nbs), np.int32(split)),
-                           shared_mem=split * max(self.mq_warp_smem[v] for v in qt[:len(ms)]))
+                           shared_mem=split * max(self.mq_warp_smem[v] for v in qt[:len(ms)])
+                           + w0.lanes * self.mq_lane_smem)
         return ys
 
     def launch_lane_major(self, x, v):

@@ -1,7 +1,7 @@
 """Time variants of the matmul_f or matmul_q tiles on the Llama-3.1-8B or SmolLM2-135M product shapes.
 
 Each variant is cuda/matmul.cu compiled with the pinned options plus ``-D``
-overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB, MF_PF; matmul_q: MQ_NT, MQ_PF)
+overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB, MF_PF; matmul_q: MQ_NT, MQ_PF, MQ_SLOTS, MQ_MINB)
 and, for matmul_q, ``split=4`` or ``split=8`` warps per tile instead of the
 node's choice (node/backend_cuda.py mq_split); none of them changes any sum.
 matmul_f reads BF16 weights; matmul_q reads the shapes' quantized type (8B:
@@ -98,7 +98,8 @@ def time_variant(cp, kernel, fns, params, ns, k, qtype, x, wsets, once=False):
         quantize(((32 * m * nb + 255) // 256,), (256,), (x, q, d, a, np.int32(m), np.int32(k)))
         (tt,), split = module_ints(mod, "bx_mq_tokens"), params.get("split", mq_split(ns, 32))
         grid, block = ((m + tt - 1) // tt, sum(-(-n // 16) for n in ns)), (32 * split,)
-        smem = split * module_ints(mod, "bx_mq_warp_smem", len(QTYPE_IDS))[QTYPE_IDS[qtype]]
+        smem = split * module_ints(mod, "bx_mq_warp_smem", len(QTYPE_IDS))[QTYPE_IDS[qtype]] \
+            + 32 * module_ints(mod, "bx_mq_lane_smem")[0]
         fn.max_dynamic_shared_size_bytes = smem
         tail = (*(np.int32(QTYPE_IDS[qtype]) for _ in range(3)), q, d, a, np.int32(m), np.int32(k),
                 np.int32(lane_terms(nb)), np.int32(32), np.int32(0), np.int32(nb), np.int32(split))

@@ -66,6 +66,7 @@ def test_launch_constants_mirror_the_sources():
     from node.reference import SPLIT_KV
     for name, file, value in (("MQ_TM", "matmul.cu", bc.MQ_TM), ("MQ_ROWS", "matmul.cu", bc.MQ_ROWS),
                               ("MF_WARPS", "matmul.cu", bc.MF_WARPS), ("MF_ROWS", "matmul.cu", bc.MF_ROWS),
+                              ("MQ_SLOTS", "matmul.cu", bc.MQ_SLOTS),
                               ("SPLIT_KV", "common.cuh", SPLIT_KV)):
         assert _define(name, file) == value, f"{file} {name} = {_define(name, file)}, Python has {value}"
 
