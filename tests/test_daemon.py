@@ -382,8 +382,11 @@ def test_expect_encodings_and_charsets(key, tmp_path):
                 assert message in json.loads(body)["error"]["message"], (enc, body)
     finally:
         assert d.stop() == 0
-    err = d.proc.stderr.read().splitlines()   # the refusals above are the node's JSON answers, not logged
-    assert len(err) == 2 and all(" WARNING " in line and "ConnectionResetError" in line for line in err), err
+    # The refusals above are the node's JSON answers, not logged. Each client that left after its headers is at
+    # most one warning line: whether aiohttp sees it as a reset depends on its version and timing (a machine with
+    # another aiohttp logged none).
+    err = d.proc.stderr.read().splitlines()
+    assert len(err) <= 2 and all(" WARNING " in line and "ConnectionResetError" in line for line in err), err
 
 
 @pytest.mark.parametrize("method,path,status", [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405),
