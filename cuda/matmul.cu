@@ -21,10 +21,10 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 
 // ---- matmul_q: int8 tensor-core MMA per block, the contract's fold per output
 // A tile is MQ_ROWS = 16 output rows by MQ_TT = 8 * MQ_NT tokens, one block of
-// `split` warps (4 or 8, chosen by the launcher from the matrices' rows); warp
-// s walks the blocks of contract lanes s*lw .. s*lw+lw-1
-// (lw = lanes / split), and the warps' subtrees meet as the tree's top
-// levels in shared memory. For each 32-element block b, one mma.sync
+// `split` warps (2, 4 or 8, chosen by the launcher from the matrices' rows and
+// the lanes of K, so that each warp owns whole groups of MQ_SLOTS lanes); warp
+// s walks the blocks of contract lanes s*lw .. s*lw+lw-1 (lw = lanes / split).
+// For each 32-element block b, one mma.sync
 // m16n8k32 (s8 x s8 -> s32) per 8 tokens gives the exact integer I_b of 16 x 8
 // outputs (integer sums are order-free). Thread (gid = lane >> 2, c = lane & 3)
 // owns the MMAs' C elements (rows gid and gid + 8, tokens 8t + 2c and 8t + 2c + 1) and
@@ -71,7 +71,7 @@ __host__ __device__ constexpr int bx_mq_rec(int qt) { return (bx_mq_nibbles(qt) 
 __host__ __device__ constexpr int bx_mq_stage(int qt) {
     return MQ_UNIT * bx_mq_rec(qt) + MQ_TT * 8 * 32 + 2 * MQ_TT * 8 * 4;
 }
-// Per warp: two stages; per contract lane: its share of a slot (MQ_NV values per thread).
+// Per warp: two stages; per contract lane: its share of a slot (a slot holds MQ_NV values per thread).
 __host__ __device__ constexpr int bx_mq_warp_bytes(int qt) { return 2 * bx_mq_stage(qt); }
 // Read by node/backend_cuda.py: dynamic shared memory = split * bx_mq_warp_smem[weight type id]
 // (the largest over a launch's types) + lanes * bx_mq_lane_smem; tokens per tile.

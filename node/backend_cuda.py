@@ -33,7 +33,7 @@ KERNEL_FILES = ("matmul.cu", "norm.cu", "rope.cu", "attention.cu", "activation.c
 # Launch geometry mirrored from cuda/matmul.cu (tests/test_kernels_static.py checks that they agree)
 MQ_TM, MF_WARPS = 8, 8  # tokens and warps per block of matmul_f
 MQ_ROWS, MF_ROWS = 16, 2  # output rows per tile of matmul_q (the MMA's M) / per warp of matmul_f
-MQ_NARROW = 128  # matmul_q launches of fewer row tiles than this split K over 8 warps per tile, others over 4
+MQ_NARROW = 128  # matmul_q launches of fewer row tiles than this split K over 8 warps per tile, others over 4 (mq_split)
 MQ_SLOTS = 2  # contract lanes per shared-memory slot of matmul_q (a warp owns whole groups of them)
 ESIZE = {"F32": 4, "F16": 2, "BF16": 2}
 SUPER_BLOCKS = {"Q4_K": 8, "Q6_K": 8}  # 32-element blocks per super-block (ggml k-quants); others: 1

@@ -283,6 +283,8 @@ def block_fields(qtype: str, raw, xp=np):
     CuPy for arrays on the GPU (node/backend_cuda.py packs weights there).
     Layouts: ggml-common.h ``block_q8_0`` .. ``block_q6_K``.
     """
+    if qtype not in BLOCK_BYTES:
+        raise ModelError(f"{qtype} is not a quantized type")
     bb, be = BLOCK_BYTES[qtype]
     n = raw.shape[0]
     b = xp.ascontiguousarray(raw).reshape(n, -1, bb)
@@ -308,22 +310,20 @@ def block_fields(qtype: str, raw, xp=np):
         scale = (d[..., None] * sc.astype(xp.float32)).reshape(n, -1)
         offset = -(dmin[..., None] * mn.astype(xp.float32)).reshape(n, -1)
         return codes, scale, offset, None
-    if qtype == "Q6_K":
-        ql, qh = b[..., 0:128], b[..., 128:192]
-        d = _f16(b[..., 208:210], xp)
-        q = xp.empty(b.shape[:2] + (256,), xp.uint8)
-        for h in range(2):
-            l0, l1, hh = ql[..., 64 * h:64 * h + 32], ql[..., 64 * h + 32:64 * h + 64], qh[..., 32 * h:32 * h + 32]
-            base = 128 * h
-            q[..., base:base + 32] = (l0 & 0xF) | (((hh >> 0) & 3) << 4)
-            q[..., base + 32:base + 64] = (l1 & 0xF) | (((hh >> 2) & 3) << 4)
-            q[..., base + 64:base + 96] = (l0 >> 4) | (((hh >> 4) & 3) << 4)
-            q[..., base + 96:base + 128] = (l1 >> 4) | (((hh >> 6) & 3) << 4)
-        codes = q.astype(xp.int8) - xp.int8(32)
-        sub = xp.ascontiguousarray(b[..., 192:208]).view(xp.int8)
-        scale = xp.repeat(d[..., None], 8, axis=-1)
-        return codes.reshape(n, -1, 32), scale.reshape(n, -1), None, sub.reshape(n, -1, 2)
-    raise ModelError(f"{qtype} is not a quantized type")
+    ql, qh = b[..., 0:128], b[..., 128:192]   # Q6_K
+    d = _f16(b[..., 208:210], xp)
+    q = xp.empty(b.shape[:2] + (256,), xp.uint8)
+    for h in range(2):
+        l0, l1, hh = ql[..., 64 * h:64 * h + 32], ql[..., 64 * h + 32:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+        base = 128 * h
+        q[..., base:base + 32] = (l0 & 0xF) | (((hh >> 0) & 3) << 4)
+        q[..., base + 32:base + 64] = (l1 & 0xF) | (((hh >> 2) & 3) << 4)
+        q[..., base + 64:base + 96] = (l0 >> 4) | (((hh >> 4) & 3) << 4)
+        q[..., base + 96:base + 128] = (l1 >> 4) | (((hh >> 6) & 3) << 4)
+    codes = q.astype(xp.int8) - xp.int8(32)
+    sub = xp.ascontiguousarray(b[..., 192:208]).view(xp.int8)
+    scale = xp.repeat(d[..., None], 8, axis=-1)
+    return codes.reshape(n, -1, 32), scale.reshape(n, -1), None, sub.reshape(n, -1, 2)
 
 
 def decode_blocks(qtype: str, raw: np.ndarray):

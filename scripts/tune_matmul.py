@@ -1,7 +1,7 @@
 """Time variants of the matmul_f or matmul_q tiles on the Llama-3.1-8B or SmolLM2-135M product shapes.
 
 Each variant is cuda/matmul.cu compiled with the pinned options plus ``-D``
-overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB, MF_PF; matmul_q: MQ_NT, MQ_PF, MQ_SLOTS, MQ_MINB)
+overrides (matmul_f: MF_ROWS, MF_BYTES, MF_WARPS, MF_MINB, MF_PF; matmul_q: MQ_NT, MQ_PF, MQ_SLOTS)
 and, for matmul_q, ``split=4`` or ``split=8`` warps per tile instead of the
 node's choice (node/backend_cuda.py mq_split); none of them changes any sum.
 matmul_f reads BF16 weights; matmul_q reads the shapes' quantized type (8B:

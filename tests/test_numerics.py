@@ -166,6 +166,13 @@ def test_pack_q_records_give_each_thread_its_fragments(qtype):
         assert got_words[:n, :, 1].tobytes() == want.view(np.uint32).tobytes()
 
 
+def test_block_decoders_refuse_float_types():
+    from node.errors import ModelError
+    for qtype in ("F32", "BF16", "Q5_K"):
+        with pytest.raises(ModelError, match="not a quantized type"):
+            decode_blocks(qtype, np.zeros((1, 34), np.uint8))
+
+
 def test_matmul_f_and_rms_norm_close_to_float64():
     x = rng.standard_normal((4, 300)).astype(F32)
     w = rng.standard_normal((50, 300)).astype(F32)
