@@ -39,14 +39,15 @@ def reference_sha256() -> str:
 
 
 def kernel_sources() -> list[str]:
+    """The CUDA sources, then their launchers and the weight layouts they read (node/backend_cuda.py)."""
     folder = os.path.join(ROOT, "cuda")
     names = sorted(n for n in os.listdir(folder) if n.endswith((".cu", ".cuh"))) if os.path.isdir(folder) else []
-    return [f"cuda/{n}" for n in names]
+    return [f"cuda/{n}" for n in names] + ["node/backend_cuda.py"]
 
 
 @functools.cache
 def kernels_sha256() -> str:
-    """SHA-256 of the CUDA sources plus the pinned compile options."""
+    """SHA-256 of the CUDA sources, their launchers and weight packing, plus the pinned compile options."""
     from .kernels import COMPILE_OPTIONS
     return sources_sha256(kernel_sources(), " ".join(COMPILE_OPTIONS).encode())
 

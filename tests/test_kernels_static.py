@@ -174,3 +174,13 @@ def test_nvrtc_compile_error_is_one_gpu_error_line():
     with pytest.raises(GpuError, match=r"^NVRTC failed to compile cuda/broken\.cu: .*error") as e:
         _nvrtc_compile("broken.cu", 'extern "C" __global__ void k() { int x = ; }', "")
     assert "\n" not in str(e.value)
+
+
+def test_kernel_digest_covers_sources_launchers_and_options():
+    """engine.kernels_sha256 (docs/attestation.md) covers every CUDA source, node/backend_cuda.py
+    (the launchers and the weight packing the kernels read) and the pinned compile options."""
+    from node.provenance import kernels_sha256, sources_sha256
+    files = sorted(n for n in os.listdir(CUDA) if n.endswith((".cu", ".cuh")))
+    want = sources_sha256([f"cuda/{n}" for n in files] + ["node/backend_cuda.py"], " ".join(COMPILE_OPTIONS).encode())
+    assert kernels_sha256() == want
+    assert sources_sha256([f"cuda/{n}" for n in files], " ".join(COMPILE_OPTIONS).encode()) != want
