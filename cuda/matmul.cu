@@ -60,6 +60,7 @@ extern "C" __global__ void quantize_q8(const float* __restrict__ x, signed char*
 #ifndef MQ_SLOTS
 #define MQ_SLOTS 2  // contract lanes per shared-memory slot: 1, 2 or 4 (node/backend_cuda.py MQ_SLOTS)
 #endif
+static_assert(MQ_SLOTS == 1 || MQ_SLOTS == 2 || MQ_SLOTS == 4, "bx_group_push holds two counter levels");
 #define MQ_TT (8 * MQ_NT)                  // tokens per tile
 #define MQ_NV (4 * MQ_NT)                  // C elements per thread
 
@@ -71,7 +72,7 @@ __host__ __device__ constexpr int bx_mq_rec(int qt) { return (bx_mq_nibbles(qt) 
 __host__ __device__ constexpr int bx_mq_stage(int qt) {
     return MQ_UNIT * bx_mq_rec(qt) + MQ_TT * 8 * 32 + 2 * MQ_TT * 8 * 4;
 }
-// Per warp: two stages; per contract lane: its share of a slot (a slot holds MQ_NV values per thread).
+// Per warp: two stages. A slot holds MQ_NV values per thread for MQ_SLOTS contract lanes.
 __host__ __device__ constexpr int bx_mq_warp_bytes(int qt) { return 2 * bx_mq_stage(qt); }
 // Read by node/backend_cuda.py: dynamic shared memory = split * bx_mq_warp_smem[weight type id]
 // (the largest over a launch's types) + lanes * bx_mq_lane_smem; tokens per tile.
@@ -131,7 +132,7 @@ __device__ __forceinline__ void bx_matmul_q_warp(const unsigned char* __restrict
     int nb = K >> 5;
     int lw = lanes / split, l0 = wi * lw, l = l0;           // this warp's contract lanes l0 .. l0 + lw - 1
     unsigned char* stage = smem + wi * 2 * STAGE;
-    float(*slot)[MQ_NV][32] = (float(*)[MQ_NV][32])(smem + split * 2 * STAGE);  // slot of lanes P*s .. P*s+P-1
+    float(*slot)[MQ_NV][32] = (float(*)[MQ_NV][32])(smem + split * 2 * STAGE);  // slot s: lanes MQ_SLOTS*s ..
     int b_lo = min(l0 * g, nbs), b_hi = min((l0 + lw) * g, nbs);
     int n_units = (b_hi - b_lo + MQ_UNIT - 1) / MQ_UNIT;    // unit u: blocks b_lo + 8u .. (at most 8)
     const unsigned char* Wb = Wt + (size_t)b_lo * REC;     // the warp's records, one span
