@@ -22,7 +22,6 @@ extern "C" __global__ void __launch_bounds__(SPLIT_KV) attention_split(
     const int* __restrict__ pages, const int* __restrict__ qpos, float* __restrict__ part_m,
     float* __restrict__ part_l, float* __restrict__ part_o, int T, int H, int Hkv, int hd, int max_splits,
     float scale) {
-    bx_pdl_wait();
     extern __shared__ float smem[];
     float* qs = smem;                     // [hd]
     float* e = qs + hd;                   // [256] scores, then softmax terms
@@ -30,15 +29,19 @@ extern "C" __global__ void __launch_bounds__(SPLIT_KV) attention_split(
     __shared__ float wmax[SPLIT_KV / 32];
     int t = blockIdx.x, h = blockIdx.y, c = blockIdx.z, j = threadIdx.x;
     int lane = j & 31, warp = j >> 5;
+    bx_pdl_wait();
     int p = qpos[t];
+    size_t page = (size_t)pages[(size_t)t * max_splits + c];  // loaded with p: one round trip
+    for (int d = j; d < hd; d += blockDim.x) qs[d] = q[((size_t)t * H + h) * hd + d];
     if (SPLIT_KV * c > p) return;  // this split does not exist for this query (uniform)
     int n_valid = min(SPLIT_KV, p - SPLIT_KV * c + 1);  // slots 0 .. n_valid-1 are keys at or before p
     int kvh = h / (H / Hkv);
-    for (int d = j; d < hd; d += blockDim.x) qs[d] = q[((size_t)t * H + h) * hd + d];
-    __syncthreads();
-    size_t page = (size_t)pages[(size_t)t * max_splits + c];
     const float* kbase = kp + (page * Hkv + kvh) * SPLIT_KV * hd;
     const float* vbase = vp + (page * Hkv + kvh) * SPLIT_KV * hd;
+    // The split's keys and values (written by the previous kernel) into L1 before the scores read them.
+    int lines = (n_valid * hd + 31) >> 5;  // 128-byte lines of each
+    for (int i = j; i < 2 * lines; i += blockDim.x) bx_prefetch_l1(i < lines ? kbase + 32 * i : vbase + 32 * (i - lines));
+    __syncthreads();
     int g = (hd + 31) >> 5;
     int d0 = lane * g, dn = min(g, hd - d0);  // this lane's d range of the score sum
 #pragma unroll 4

@@ -29,6 +29,11 @@ __device__ __forceinline__ void bx_prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+// L1 prefetch hint of the 128-byte line holding p (PTX prefetch.global.L1).
+__device__ __forceinline__ void bx_prefetch_l1(const void* p) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
 // fp16 bits -> fp32, exact (PTX cvt.f32.f16 is a widening conversion).
 __device__ __forceinline__ float bx_half(unsigned short h) {
     float f;

@@ -364,7 +364,7 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 #define MF_MINB 4    // __launch_bounds__ minimum blocks per SM (<= 64 registers)
 #endif
 #ifndef MF_PF
-#define MF_PF 2048   // bytes per weight row hinted into L2 before the previous kernel ends (<= 4096)
+#define MF_PF 2048   // bytes per weight row hinted into L2 before the previous kernel ends
 #endif
 
 template <int WT, int V>
@@ -525,8 +525,8 @@ matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
     if (live) {  // while the previous kernel runs: the first MF_PF bytes of each of the warp's rows into L2
         int row_bytes = lanes * (K >> 5) * (wtype == BX_F32 ? 4 : 2);
         for (int r = 0; r < per; ++r)
-            if (lane * 128 < min(MF_PF, row_bytes))
-                bx_prefetch_l2(W + (size_t)min(w * per + r, N - 1) * row_bytes + lane * 128);
+            for (int o = lane * 128; o < min(MF_PF, row_bytes); o += 32 * 128)
+                bx_prefetch_l2(W + (size_t)min(w * per + r, N - 1) * row_bytes + o);
     }
     bx_pdl_wait();
     if (!live) return;

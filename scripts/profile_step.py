@@ -5,7 +5,10 @@ CUDA graphs, and reports per batch size: the step as ``Engine.forward``
 returns it (host work and the logits copy included), the GPU time of the
 replayed graph alone (CUDA events), and each kernel's GPU time per step as
 CUPTI records it during graph replay (through PyTorch's profiler, which sees
-every kernel of the process).
+every kernel of the process). Kernels start before their predecessor ends
+(programmatic dependent launch), so each kernel's exposed time is also given:
+its end minus the previous kernel's end, the share of the step it adds; the
+last replay is listed launch by launch.
 
     python scripts/profile_step.py [--shape llama-8b] [--qtype BF16] [--layers 4] [--batch 1 32] [--out prof.json]
 """
@@ -27,18 +30,31 @@ from bench_gpu import graph_replay_ms  # noqa: E402
 
 
 def kernel_ms(replay, n: int = 5) -> dict:
-    """GPU milliseconds per step of each kernel name over ``n`` graph replays."""
+    """Per kernel name over ``n`` graph replays: GPU milliseconds per step as CUPTI
+    records each kernel ("ms": first block start to last block end, which with
+    programmatic dependent launch includes the wait on the previous kernel), and
+    its exposed share of the step ("exposed_ms": the kernel's end minus the
+    previous kernel's end, summed; these add up to the replays' span)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             replay()
-    totals = collections.defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            totals[ev.name][0] += ev.device_time / 1e3 / n
-            totals[ev.name][1] += 1
-    return {k: {"ms": round(v[0], 4), "launches": v[1] // n} for k, v in sorted(totals.items(), key=lambda kv: -kv[1][0])}
+    events = sorted((ev for ev in prof.events() if ev.device_type.name == "CUDA"), key=lambda ev: ev.time_range.end)
+    totals = collections.defaultdict(lambda: [0.0, 0, 0.0])
+    prev_end, last = None, []
+    for i, ev in enumerate(events):
+        t = totals[ev.name]
+        t[0] += ev.device_time / 1e3 / n
+        t[1] += 1
+        exposed = 0.0 if prev_end is None else max(0.0, ev.time_range.end - max(prev_end, ev.time_range.start))
+        t[2] += exposed / 1e3 / n
+        prev_end = ev.time_range.end if prev_end is None else max(prev_end, ev.time_range.end)
+        if i >= len(events) - len(events) // n:
+            last.append([ev.name, round(ev.device_time, 1), round(exposed, 1)])
+    return {"by_name": {k: {"ms": round(v[0], 4), "exposed_ms": round(v[2], 4), "launches": v[1] // n}
+                        for k, v in sorted(totals.items(), key=lambda kv: -kv[1][2])},
+            "last_replay_us": last}  # [name, duration, exposed] per launch in order
 
 
 def profile_batch(eng, batch: int, steps: int) -> dict:
@@ -66,7 +82,8 @@ def profile_batch(eng, batch: int, steps: int) -> dict:
     for s in seqs:
         eng.release(s)
     return {"batch": batch, "forward_ms": round(forward_ms, 3), "graph_gpu_ms": round(gpu_ms, 3),
-            "kernel_sum_ms": round(sum(v["ms"] for v in kernels.values()), 3), "kernels": kernels}
+            "kernel_sum_ms": round(sum(v["ms"] for v in kernels["by_name"].values()), 3),
+            "exposed_sum_ms": round(sum(v["exposed_ms"] for v in kernels["by_name"].values()), 3), **kernels}
 
 
 def main() -> int:
