@@ -14,7 +14,7 @@ from attest import digest
 from .engine import Engine
 from .errors import RequestError
 from .sampler import SamplingParams
-from .tokenizer import Tokenizer
+from .tokenizer import TextStream, Tokenizer
 
 PREFILL_CHUNK = 128  # tokens per prefill step; any value gives the same bytes
 
@@ -137,7 +137,8 @@ class Generation:
         self.tokens: list[int] = []
         self.chain: list[bytes] = []
         self.finish: str | None = None
-        self.text = ""
+        self.text = ""  # tok.decode(tokens), cut at a stop string, without a final EOS
+        self._stream = TextStream(tok)
         self.seq = engine.new_sequence()
 
     @property
@@ -172,10 +173,14 @@ class Generation:
         self.tokens.append(t)
         self.chain.append(self.link)
         if t == self.tok.eos_id:
-            self.finish, self.text = "stop", self.tok.decode(self.tokens[:-1])
+            self.finish = "stop"
             return t
-        self.text = self.tok.decode(self.tokens)
-        cut = [self.text.find(s) for s in self.record["stop"] if s in self.text]
+        seen = len(self._stream.committed)
+        self._stream.push(t)
+        self.text = self._stream.text
+        # The text up to `seen` held no stop string at the last step, so a first
+        # occurrence now ends past it: search from there back by len(s) - 1.
+        cut = [i for s in self.record["stop"] if (i := self.text.find(s, max(0, seen - len(s) + 1))) >= 0]
         if cut:
             self.finish, self.text = "stop", self.text[:min(cut)]
         elif len(self.tokens) >= self.record["max_tokens"] or pos + 1 >= self.engine.n_ctx:

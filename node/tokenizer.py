@@ -4,6 +4,7 @@ model), byte-identical to llama.cpp, and chat templates from the GGUF key
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 import os
 import re
@@ -128,13 +129,18 @@ class Tokenizer:
         with self._enc_lock:
             return list(self._enc.tokenize(text.encode("utf-8"), add_bos=True, special=special))
 
+    def piece(self, i: int) -> bytes:
+        """Text bytes of token ``i`` as :meth:`decode_bytes` joins them (a control
+        token gives none). Raises ``IndexError`` for an id outside the vocabulary."""
+        if i < 0:
+            raise IndexError(f"token id {i} is negative")
+        return self._text[i]
+
     def decode_bytes(self, ids: list[int]) -> bytes:
         """Raw bytes of the concatenated token pieces (control tokens give none); as
         llama-cpp-python's ``detokenize``, a space that follows a leading BOS is dropped
         (SentencePiece's prefix space). Raises ``IndexError`` for an id outside the vocabulary."""
-        if ids and min(ids) < 0:
-            raise IndexError(f"token id {min(ids)} is negative")
-        out = b"".join(self._text[i] for i in ids)
+        out = b"".join(map(self.piece, ids))
         return out[1:] if ids and ids[0] == self.bos_id and out[:1] == b" " else out
 
     def decode(self, ids: list[int]) -> str:
@@ -155,3 +161,36 @@ class Tokenizer:
         return render_template(tpl, messages=messages, add_generation_prompt=True,
                                bos_token=piece([self.bos_id]).decode("utf-8", "replace"),
                                eos_token=piece([self.eos_id]).decode("utf-8", "replace"))
+
+
+class TextStream:
+    """The text of a growing token list, equal after every :meth:`push` to
+    ``tok.decode(ids)`` of all ids pushed so far, at a cost per token that does
+    not grow with the list.
+
+    Bytes go through Python's incremental UTF-8 decoder (``codecs``, errors
+    ``"replace"``): :attr:`committed` is the text no later token can change;
+    the bytes of a multi-byte character not yet complete are held back and
+    shown as U+FFFD in :attr:`text`, as decoding the whole list would show them.
+    """
+
+    def __init__(self, tok: Tokenizer):
+        self._tok = tok
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._bos_space = None  # True while a leading BOS may still drop the first byte
+        self.committed = ""
+
+    def push(self, i: int) -> None:
+        """Append token ``i``; raises ``IndexError`` for an id outside the vocabulary."""
+        b = self._tok.piece(i)
+        if self._bos_space is None:
+            self._bos_space = i == self._tok.bos_id
+        if self._bos_space and b:
+            self._bos_space = False
+            b = b[1:] if b[:1] == b" " else b
+        self.committed += self._utf8.decode(b)
+
+    @property
+    def text(self) -> str:
+        """``tok.decode`` of every id pushed so far."""
+        return self.committed + self._utf8.getstate()[0].decode("utf-8", errors="replace")

@@ -153,3 +153,75 @@ def test_decoding_does_not_wait_for_encoding(tok):
         t.start()
         t.join(10)
     assert done and isinstance(done[0], str)
+
+
+@pytest.fixture(scope="module")
+def awkward_ids(tok):
+    """Token ids whose pieces make incremental decoding hard: single bytes of
+    multi-byte UTF-8 characters (and bytes no character starts with), pieces
+    with a leading space, pieces of no text (control tokens), BOS and plain words."""
+    n = tok.model.hparams.n_vocab
+    raw = [i for i in range(n) if len(tok.piece(i)) == 1 and tok.piece(i)[0] >= 0x80]
+    spaced = [i for i in range(n) if tok.piece(i)[:1] == b" "][:40]
+    empty = [i for i in range(n) if not tok.piece(i)][:10]
+    words = tok.encode("a€b 😀 é", special=False)[1:] + tok.encode("stop here", special=False)[1:]
+    assert len(raw) >= 64 and spaced and empty, (len(raw), len(spaced), len(empty))
+    return sorted(set(raw + spaced + empty + words + [tok.bos_id]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_text_stream_equals_decoding_the_whole_list(tok, awkward_ids, data):
+    """After every push, TextStream.text is tok.decode of all ids pushed so far
+    (cut characters as U+FFFD, a leading BOS dropping the space after it), and
+    its committed text only grows."""
+    from node.tokenizer import TextStream
+
+    ids = data.draw(st.lists(st.sampled_from(awkward_ids), max_size=40))
+    if data.draw(st.booleans()):
+        ids = [tok.bos_id] + ids
+    stream, committed = TextStream(tok), ""
+    for k, i in enumerate(ids):
+        stream.push(i)
+        assert stream.text == tok.decode(ids[:k + 1])
+        assert stream.committed.startswith(committed) and stream.text.startswith(stream.committed)
+        committed = stream.committed
+
+
+def test_text_stream_refuses_ids_outside_the_vocabulary(tok):
+    from node.tokenizer import TextStream
+
+    for bad in (-1, tok.model.hparams.n_vocab):
+        with pytest.raises(IndexError):
+            TextStream(tok).push(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_generation_text_and_stop_strings_match_decoding_the_whole_output(tok, awkward_ids, data):
+    """Generation.take keeps its text as the decode of the whole output so far and
+    finishes at the first occurrence of any stop string in it, as the definition
+    says (decode everything, search everything), though it decodes and searches
+    only what each token adds; stop strings are cut from the output's own text so
+    that they are hit, across tokens and next to cut characters."""
+    from types import SimpleNamespace
+
+    from node.generate import Generation
+
+    ids = data.draw(st.lists(st.sampled_from(awkward_ids), min_size=1, max_size=30))
+    whole = tok.decode(ids)
+    a = data.draw(st.integers(0, len(whole)))
+    stops = [s for s in (whole[a:a + data.draw(st.integers(1, 6))], data.draw(st.text(min_size=1, max_size=3))) if s]
+    engine = SimpleNamespace(model=SimpleNamespace(sha256="00" * 32), n_ctx=1 << 20, new_sequence=lambda: 0)
+    record = {"prompt_tokens": [1], "max_tokens": len(ids), "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+              "seed": 0, "stop": stops}
+    gen = Generation(engine, tok, record)
+    logits = np.zeros(4, np.float32)
+    for k, t in enumerate(ids):
+        gen.take(t, logits)
+        text = tok.decode(ids[:k + 1] if t != tok.eos_id else ids[:k])
+        cut = [text.find(s) for s in stops if s in text]
+        if t == tok.eos_id or cut:
+            assert gen.finish == "stop" and gen.text == (text[:min(cut)] if cut else text)
+            break
+        assert gen.text == text and gen.finish == ("length" if k + 1 == len(ids) else None)
