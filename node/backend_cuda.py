@@ -54,7 +54,8 @@ def mq_split(rows: list[int], lanes: int) -> int:
 
 
 def mq_record_bytes(qtype: str) -> int:
-    """Bytes of one :func:`pack_q` record of a quantized type (cuda/matmul.cu bx_mq_rec)."""
+    """Bytes of one :func:`pack_q` record of a quantized type (cuda/matmul.cu bx_mq_rec;
+    tests/test_kernels_static.py compiles the kernel with static_asserts of these values)."""
     return (256 if qtype in MQ_NIBBLES else 512) + MQ_SCALES
 
 

@@ -71,6 +71,32 @@ def test_launch_constants_mirror_the_sources():
         assert _define(name, file) == value, f"{file} {name} = {_define(name, file)}, Python has {value}"
 
 
+def _record_asserts(rec_bytes) -> str:
+    """static_asserts that cuda/matmul.cu's record layout equals ``rec_bytes(qtype)`` and
+    node/backend_cuda.py MQ_NIBBLES for every type matmul_q reads."""
+    import node.backend_cuda as bc
+    lines = []
+    for qt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"):
+        i = bc.QTYPE_IDS[qt]
+        lines.append(f'static_assert(bx_mq_rec({i}) == {rec_bytes(qt)}, "{qt}: record bytes");')
+        lines.append(f'static_assert(bx_mq_nibbles({i}) == {str(qt in bc.MQ_NIBBLES).lower()}, "{qt}: nibbles");')
+    return "\n".join(lines)
+
+
+def test_record_layout_mirrors_the_kernel():
+    """node/backend_cuda.py packs records of mq_record_bytes(qtype) bytes (4-bit codes
+    for MQ_NIBBLES); cuda/matmul.cu's constexpr bx_mq_rec and bx_mq_nibbles must agree.
+    Checked by compiling the kernel source with static_asserts of the Python values;
+    a wrong value fails the compile."""
+    import node.backend_cuda as bc
+    with open(os.path.join(CUDA, "matmul.cu")) as f, open(os.path.join(CUDA, "common.cuh")) as h:
+        src, header = f.read(), h.read()
+    _nvrtc_compile("matmul.cu", src + "\n" + _record_asserts(bc.mq_record_bytes), header)
+    with pytest.raises(GpuError, match="Q4_K: record bytes"):
+        _nvrtc_compile("matmul.cu", src + "\n" + _record_asserts(
+            lambda qt: bc.mq_record_bytes(qt) + (16 if qt == "Q4_K" else 0)), header)
+
+
 @pytest.mark.parametrize("name", sorted(n for n in os.listdir(CUDA) if n.endswith((".cu", ".cuh"))))
 def test_no_atomics_in_source(name):
     with open(os.path.join(CUDA, name)) as f:
