@@ -119,6 +119,36 @@ def params_of(record: dict) -> SamplingParams:
                           top_p=record["top_p"], seed=record["seed"])
 
 
+class _StopTail:
+    """How much of a growing text's end could still begin stop string ``s``: the
+    Knuth-Morris-Pratt automaton of ``s`` (Knuth, Morris and Pratt, "Fast pattern
+    matching in strings", SIAM J. Comput. 1977) run over the text as it grows, in
+    time per character that does not depend on the text's length."""
+
+    def __init__(self, s: str):
+        self.s, self.fail = s, [0] * len(s)  # fail[i]: longest proper border of s[:i + 1]
+        k = 0
+        for i in range(1, len(s)):
+            while k and s[i] != s[k]:
+                k = self.fail[k - 1]
+            k += s[i] == s[k]
+            self.fail[i] = k
+        self.k = 0  # longest prefix of s that the text ends with
+        self.k_kept = 0  # the same for the text without its trailing U+FFFD characters
+
+    def feed(self, chars: str) -> None:
+        s, fail, k = self.s, self.fail, self.k
+        for c in chars:
+            if k == len(s):
+                k = fail[k - 1]
+            while k and c != s[k]:
+                k = fail[k - 1]
+            k += c == s[k]
+            if c != "\ufffd":
+                self.k_kept = k
+        self.k = k
+
+
 class Generation:
     """Decoding state of one request; the engine steps are driven from outside
     (by :func:`generate` alone, or by the scheduler beside other requests).
@@ -139,6 +169,7 @@ class Generation:
         self.finish: str | None = None
         self.text = ""  # tok.decode(tokens), cut at a stop string, without a final EOS
         self._stream = TextStream(tok)
+        self._tails = [_StopTail(s) for s in record["stop"]]
         self.seq = engine.new_sequence()
 
     @property
@@ -178,6 +209,8 @@ class Generation:
         seen = len(self._stream.committed)
         self._stream.push(t)
         self.text = self._stream.text
+        for tail in self._tails:
+            tail.feed(self._stream.committed[seen:])
         # The text up to `seen` held no stop string at the last step, so a first
         # occurrence now ends past it: search from there back by len(s) - 1.
         cut = [i for s in self.record["stop"] if (i := self.text.find(s, max(0, seen - len(s) + 1))) >= 0]
@@ -188,17 +221,13 @@ class Generation:
         return t
 
     def stable_text(self) -> str:
-        """The longest prefix of the text that can no longer change: no cut
-        UTF-8 character at the end and no partial stop string."""
+        """The longest prefix of the text that can no longer change: the text
+        without its trailing U+FFFD characters (a cut UTF-8 character may still
+        complete) and without the longest end of that which begins a stop string."""
         if self.done:
             return self.text
-        text = self.text.rstrip("\ufffd")
-        for s in self.record["stop"]:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    text = text[:-k]
-                    break
-        return text
+        kept = self._stream.committed.rstrip("\ufffd")  # self.text adds only U+FFFD for held-back bytes
+        return kept[:len(kept) - max((tail.k_kept for tail in self._tails), default=0)]
 
     def result(self) -> Result:
         out = digest.output_digest(self.link, self.tokens, self.text, self.finish)

@@ -165,13 +165,14 @@ class Tokenizer:
 
 class TextStream:
     """The text of a growing token list, equal after every :meth:`push` to
-    ``tok.decode(ids)`` of all ids pushed so far, at a cost per token that does
-    not grow with the list.
+    ``tok.decode(ids)`` of all ids pushed so far, without decoding again the
+    bytes of earlier tokens (a push still copies the text once).
 
     Bytes go through Python's incremental UTF-8 decoder (``codecs``, errors
     ``"replace"``): :attr:`committed` is the text no later token can change;
-    the bytes of a multi-byte character not yet complete are held back and
-    shown as U+FFFD in :attr:`text`, as decoding the whole list would show them.
+    the bytes the decoder holds back (the start of a character not yet
+    complete, or of one that cannot complete) are shown in :attr:`text` as
+    U+FFFD characters, as decoding the whole list would show them.
     """
 
     def __init__(self, tok: Tokenizer):

@@ -202,8 +202,9 @@ def test_generation_text_and_stop_strings_match_decoding_the_whole_output(tok, a
     """Generation.take keeps its text as the decode of the whole output so far and
     finishes at the first occurrence of any stop string in it, as the definition
     says (decode everything, search everything), though it decodes and searches
-    only what each token adds; stop strings are cut from the output's own text so
-    that they are hit, across tokens and next to cut characters."""
+    only what each token adds; stable_text (what streaming may send) is exactly
+    the part no later token can change. Stop strings are cut from the output's
+    own text so that they are hit, across tokens and next to cut characters."""
     from types import SimpleNamespace
 
     from node.generate import Generation
@@ -217,6 +218,7 @@ def test_generation_text_and_stop_strings_match_decoding_the_whole_output(tok, a
               "seed": 0, "stop": stops}
     gen = Generation(engine, tok, record)
     logits = np.zeros(4, np.float32)
+    streamed = [""]
     for k, t in enumerate(ids):
         gen.take(t, logits)
         text = tok.decode(ids[:k + 1] if t != tok.eos_id else ids[:k])
@@ -225,3 +227,32 @@ def test_generation_text_and_stop_strings_match_decoding_the_whole_output(tok, a
             assert gen.finish == "stop" and gen.text == (text[:min(cut)] if cut else text)
             break
         assert gen.text == text and gen.finish == ("length" if k + 1 == len(ids) else None)
+        if not gen.done:  # stable_text: the text without trailing U+FFFD and the longest end that begins a stop
+            kept = text.rstrip("\ufffd")
+            held = max((n for s in stops for n in range(1, min(len(s) - 1, len(kept)) + 1) if kept.endswith(s[:n])),
+                       default=0)
+            assert gen.stable_text() == kept[:len(kept) - held]
+            streamed.append(gen.stable_text())
+    assert all(a == gen.text[:len(a)] for a in streamed)  # what was streamed is never taken back
+    assert all(b.startswith(a) for a, b in zip(streamed, streamed[1:]))
+
+
+@settings(max_examples=500, deadline=None)
+@given(s=st.text("ab\ufffd", min_size=1, max_size=8), chunks=st.lists(st.text("ab\ufffd", max_size=6), max_size=8))
+@example(s="aabaaa", chunks=["aabaaab"])  # a full match, then a fallback through the failure table
+@example(s="bbbabbbb", chunks=["bbbabbb", "bbbabbbb", "\ufffd"])
+def test_stop_tail_is_the_longest_end_that_begins_the_stop_string(s, chunks):
+    """The automaton behind stable_text, over a two-letter alphabet (plus U+FFFD)
+    where stop strings overlap themselves often: after each chunk its state is the
+    longest prefix of s the text ends with, and the same for the text without its
+    trailing U+FFFD characters."""
+    from node.generate import _StopTail
+
+    def longest(text):
+        return max(n for n in range(len(s) + 1) if text.endswith(s[:n]))
+
+    tail, text = _StopTail(s), ""
+    for c in chunks:
+        tail.feed(c)
+        text += c
+        assert (tail.k, tail.k_kept) == (longest(text), longest(text.rstrip("\ufffd")))
