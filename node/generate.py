@@ -17,6 +17,7 @@ from .sampler import SamplingParams
 from .tokenizer import TextStream, Tokenizer
 
 PREFILL_CHUNK = 128  # tokens per prefill step; any value gives the same bytes
+MAX_STOP_CHARS = 4096  # characters of one stop string (bounds the work a token can cause)
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Request:
         self.params.validate()
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop strings must be non-empty", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise RequestError(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
         for s in self.stop:
             _utf8(s, "stop string", "stop")
         if self.messages is not None:
@@ -120,10 +123,11 @@ def params_of(record: dict) -> SamplingParams:
 
 
 class _StopTail:
-    """How much of a growing text's end could still begin stop string ``s``: the
-    Knuth-Morris-Pratt automaton of ``s`` (Knuth, Morris and Pratt, "Fast pattern
-    matching in strings", SIAM J. Comput. 1977) run over the text as it grows, in
-    time per character that does not depend on the text's length."""
+    """Where stop string ``s`` first occurs in a growing text, and how much of the
+    text's end could still begin it: the Knuth-Morris-Pratt automaton of ``s``
+    (Knuth, Morris and Pratt, "Fast pattern matching in strings", SIAM J. Comput.
+    1977) run over the text as it grows, in amortised constant time per character
+    (one character may walk the failure table, at most ``len(s)`` steps)."""
 
     def __init__(self, s: str):
         self.s, self.fail = s, [0] * len(s)  # fail[i]: longest proper border of s[:i + 1]
@@ -136,17 +140,30 @@ class _StopTail:
         self.k = 0  # longest prefix of s that the text ends with
         self.k_kept = 0  # the same for the text without its trailing U+FFFD characters
 
-    def feed(self, chars: str) -> None:
-        s, fail, k = self.s, self.fail, self.k
-        for c in chars:
+    def _run(self, k: int, chars: str, keep: bool) -> tuple[int, int]:
+        """The state after ``chars`` from state ``k``, and the offset in ``chars``
+        just past the first occurrence of ``s`` they complete (-1: none)."""
+        s, fail, end = self.s, self.fail, -1
+        for i, c in enumerate(chars):
             if k == len(s):
                 k = fail[k - 1]
             while k and c != s[k]:
                 k = fail[k - 1]
             k += c == s[k]
-            if c != "\ufffd":
+            if k == len(s) and end < 0:
+                end = i + 1
+            if keep and c != "\ufffd":
                 self.k_kept = k
-        self.k = k
+        return k, end
+
+    def feed(self, chars: str) -> int:
+        """Append ``chars`` to the text; returns :meth:`_run`'s offset."""
+        self.k, end = self._run(self.k, chars, True)
+        return end
+
+    def peek(self, chars: str) -> int:
+        """The same offset for ``chars`` after the text, which is left as it was."""
+        return self._run(self.k, chars, False)[1]
 
 
 class Generation:
@@ -209,11 +226,16 @@ class Generation:
         seen = len(self._stream.committed)
         self._stream.push(t)
         self.text = self._stream.text
+        new, held = self._stream.committed[seen:], self.text[len(self._stream.committed):]
+        # The text held no stop string at the last step, so a first occurrence ends in
+        # the new committed characters, or in the U+FFFD shown for held-back bytes.
+        cut = []
         for tail in self._tails:
-            tail.feed(self._stream.committed[seen:])
-        # The text up to `seen` held no stop string at the last step, so a first
-        # occurrence now ends past it: search from there back by len(s) - 1.
-        cut = [i for s in self.record["stop"] if (i := self.text.find(s, max(0, seen - len(s) + 1))) >= 0]
+            end = tail.feed(new)
+            if end < 0 and held and (end := tail.peek(held)) >= 0:
+                end += len(new)
+            if end >= 0:
+                cut.append(seen + end - len(tail.s))
         if cut:
             self.finish, self.text = "stop", self.text[:min(cut)]
         elif len(self.tokens) >= self.record["max_tokens"] or pos + 1 >= self.engine.n_ctx:

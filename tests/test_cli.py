@@ -222,6 +222,7 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--top-k", "-1"], "top_k"),
     (["--prompt", "hi", "--seed", "-1"], "seed"),
     (["--prompt", "hi", "--stop", ""], "stop"),
+    (["--prompt", "hi", "--stop", "x" * 4097], "at most 4096 characters"),
     (["--prompt", "hi", "--ctx", "0"], "--ctx"),
     (["--prompt", "hi", "--ctx", "100000000000"], "--ctx"),
     (["--chat", "  "], "chat messages are empty"),

@@ -227,6 +227,7 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (json.dumps({"prompt": "hi", "temperature": -0.5}).encode(), 400, "temperature"),
     (json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400, "top_p"),
     (json.dumps({"prompt": "hi", "stop": 5}).encode(), 400, "stop"),
+    (json.dumps({"prompt": "hi", "stop": ["a", "x" * 4097]}).encode(), 400, "stop"),
     (json.dumps({"prompt": "hi", "seed": -1}).encode(), 400, "seed"),
     (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"prompt": 42}).encode(), 400, "prompt"),

@@ -256,3 +256,31 @@ def test_stop_tail_is_the_longest_end_that_begins_the_stop_string(s, chunks):
         tail.feed(c)
         text += c
         assert (tail.k, tail.k_kept) == (longest(text), longest(text.rstrip("\ufffd")))
+
+
+def _byte_token(tok, b: bytes) -> int:
+    return next(i for i in range(tok.model.hparams.n_vocab) if tok.piece(i) == b)
+
+
+@pytest.mark.parametrize("pieces, stops, steps, finish, text", [
+    ([b"\xe2"], ["\ufffd"], 1, "stop", ""),                       # the U+FFFD of held-back bytes is text too
+    ([b"a", b"\xe2", b"\x82"], ["a\ufffd"], 2, "stop", ""),        # found across committed and held-back text
+    ([b"a", b"\xe2", b"\x82", b"\xac", b"b"], ["\u20acb"], 5, "stop", "a"),  # a character completed over 3 tokens
+    ([b"a", b"\xe2", b"\x82", b"\xac"], ["\ufffd\ufffd"], 4, None, "a\u20ac"),  # held bytes show one U+FFFD
+])
+def test_stop_strings_meet_held_back_bytes(tok, pieces, stops, steps, finish, text):
+    """A stop string is searched in the text as decoding the whole output shows it,
+    U+FFFD for bytes of a character not yet complete included."""
+    from types import SimpleNamespace
+
+    from node.generate import Generation
+
+    ids = [_byte_token(tok, p) for p in pieces]
+    engine = SimpleNamespace(model=SimpleNamespace(sha256="00" * 32), n_ctx=1 << 20, new_sequence=lambda: 0)
+    gen = Generation(engine, tok, {"prompt_tokens": [1], "max_tokens": 10, "temperature": 0.0, "top_k": 0,
+                                   "top_p": 1.0, "seed": 0, "stop": stops})
+    for n, t in enumerate(ids, 1):
+        gen.take(t, np.zeros(4, np.float32))
+        if gen.done:
+            break
+    assert (n, gen.finish, gen.text) == (steps, finish, text)
