@@ -36,19 +36,23 @@ def subtree_sum(t: np.ndarray, g: int, lanes: int, axis: int = -1) -> np.ndarray
     ``subtree_sum(partials, 1, T)`` (docs/determinism.md section 3).
     Returns fp32 with ``axis`` removed.
     """
-    t = np.moveaxis(np.asarray(t, dtype=F32), axis, 0)
-    n = t.shape[0]
+    t = np.asarray(t, dtype=F32)
+    axis = axis % t.ndim
+    n = t.shape[axis]
     if lanes & (lanes - 1) or WARP % lanes or n > lanes * g:
         raise ValueError(f"{n} terms do not fit {lanes} lanes of {g}")
     if n < lanes * g:
-        t = np.concatenate([t, np.zeros((lanes * g - n,) + t.shape[1:], F32)], axis=0)
-    t = t.reshape((lanes, g) + t.shape[1:])
-    acc = np.zeros((lanes,) + t.shape[2:], F32)
+        pad = t.shape[:axis] + (lanes * g - n,) + t.shape[axis + 1:]
+        t = np.concatenate([t, np.zeros(pad, F32)], axis=axis)
+    # Split the axis in place into (lanes, g): no transposing copy of the terms.
+    t = t.reshape(t.shape[:axis] + (lanes, g) + t.shape[axis + 1:])
+    lead = (slice(None),) * axis
+    acc = np.zeros(t.shape[:axis] + (lanes,) + t.shape[axis + 2:], F32)
     for j in range(g):
-        acc = acc + t[:, j]
-    while acc.shape[0] > 1:
-        acc = acc[0::2] + acc[1::2]
-    return acc[0]
+        acc = acc + t[lead + (slice(None), j)]
+    while acc.shape[axis] > 1:
+        acc = acc[lead + (slice(0, None, 2),)] + acc[lead + (slice(1, None, 2),)]
+    return acc[lead + (0,)]
 
 
 def lane_terms(n: int) -> int:
