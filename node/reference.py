@@ -204,27 +204,31 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, qpos: np.
     out = np.empty_like(q)
     p_used = int(qpos.max()) + 1
     n_split = -(-p_used // SPLIT_KV)
-    width = n_split * SPLIT_KV
+    # With one split, slots at or past p_used are dead for every query: their terms
+    # (+0) are left to subtree_sum's padding, which adds the same +0.
+    slots = p_used if n_split == 1 else SPLIT_KV
+    width = n_split * slots
     kk = np.zeros((hkv, width, hd), F32)
     vv = np.zeros((hkv, width, hd), F32)
     kk[:, :p_used] = k_cache[:, :p_used]
     vv[:, :p_used] = v_cache[:, :p_used]
-    kk = kk.reshape(hkv, n_split, SPLIT_KV, hd)
-    vv = vv.reshape(hkv, n_split, SPLIT_KV, hd)
-    keypos = np.arange(width).reshape(n_split, SPLIT_KV)
+    kk = kk.reshape(hkv, n_split, slots, hd)
+    vv = vv.reshape(hkv, n_split, slots, hd)
+    keypos = np.arange(width).reshape(n_split, slots)
+    g_slot = SPLIT_KV // WARP  # lane l of a split's sums owns slots l*g_slot .. l*g_slot + g_slot - 1
     chunk = max(1, (1 << 22) // (h_n * width * hd))
     for i in range(0, t_n, chunk):
         qc = q[i:i + chunk].reshape(-1, hkv, grp, 1, 1, hd)             # [T,Hkv,G,1,1,hd]
         pos = qpos[i:i + chunk]
-        s = warp_sum(qc * kk[None, :, None], axis=-1) * scale           # [T,Hkv,G,S,256]
-        valid = (keypos[None] <= pos[:, None, None])[:, None, None]     # [T,1,1,S,256]
+        s = warp_sum(qc * kk[None, :, None], axis=-1) * scale           # [T,Hkv,G,S,slots]
+        valid = (keypos[None] <= pos[:, None, None])[:, None, None]     # [T,1,1,S,slots]
         m_c = np.max(np.where(valid, s, F32(-np.inf)), axis=-1)         # [T,Hkv,G,S]
         live = valid.any(axis=-1)                                       # [T,1,1,S]
         with np.errstate(invalid="ignore"):
             e = np.where(valid, exp32(np.where(valid, s - m_c[..., None], F32(0.0))), F32(0.0))
-        l_c = warp_sum(e, axis=-1)                                      # [T,Hkv,G,S]
+        l_c = subtree_sum(e, g_slot, WARP, axis=-1)                     # [T,Hkv,G,S]
         pv = np.where(valid[..., None], e[..., None] * vv[None, :, None], F32(0.0))
-        o_c = warp_sum(pv, axis=-2)                                     # [T,Hkv,G,S,hd]
+        o_c = subtree_sum(pv, g_slot, WARP, axis=-2)                    # [T,Hkv,G,S,hd]
         m_all = np.max(np.where(live, m_c, F32(-np.inf)), axis=-1)      # [T,Hkv,G]
         big_l = np.zeros(m_all.shape, F32)
         big_o = np.zeros(m_all.shape + (hd,), F32)
