@@ -225,8 +225,8 @@ class Generation:
             return t
         seen = len(self._stream.committed)
         self._stream.push(t)
-        self.text = self._stream.text
-        new, held = self._stream.committed[seen:], self.text[len(self._stream.committed):]
+        new, held = self._stream.committed[seen:], self._stream.held
+        self.text = self._stream.committed + held
         # The text held no stop string at the last step, so a first occurrence ends in
         # the new committed characters, or in the U+FFFD shown for held-back bytes.
         cut = []

@@ -192,6 +192,11 @@ class TextStream:
         self.committed += self._utf8.decode(b)
 
     @property
+    def held(self) -> str:
+        """The U+FFFD characters that stand for the held-back bytes ("" when none)."""
+        return self._utf8.getstate()[0].decode("utf-8", errors="replace")
+
+    @property
     def text(self) -> str:
         """``tok.decode`` of every id pushed so far."""
-        return self.committed + self._utf8.getstate()[0].decode("utf-8", errors="replace")
+        return self.committed + self.held

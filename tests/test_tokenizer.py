@@ -196,6 +196,18 @@ def test_text_stream_refuses_ids_outside_the_vocabulary(tok):
             TextStream(tok).push(bad)
 
 
+def _generation(tok, stops, max_tokens):
+    """A Generation driven by hand (take() with any token): a stand-in for the engine,
+    which take() asks only for the context length."""
+    from types import SimpleNamespace
+
+    from node.generate import Generation
+
+    engine = SimpleNamespace(model=SimpleNamespace(sha256="00" * 32), n_ctx=1 << 20, new_sequence=lambda: 0)
+    return Generation(engine, tok, {"prompt_tokens": [1], "max_tokens": max_tokens, "temperature": 0.0, "top_k": 0,
+                                    "top_p": 1.0, "seed": 0, "stop": stops})
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_generation_text_and_stop_strings_match_decoding_the_whole_output(tok, awkward_ids, data):
@@ -205,18 +217,11 @@ def test_generation_text_and_stop_strings_match_decoding_the_whole_output(tok, a
     only what each token adds; stable_text (what streaming may send) is exactly
     the part no later token can change. Stop strings are cut from the output's
     own text so that they are hit, across tokens and next to cut characters."""
-    from types import SimpleNamespace
-
-    from node.generate import Generation
-
     ids = data.draw(st.lists(st.sampled_from(awkward_ids), min_size=1, max_size=30))
     whole = tok.decode(ids)
     a = data.draw(st.integers(0, len(whole)))
     stops = [s for s in (whole[a:a + data.draw(st.integers(1, 6))], data.draw(st.text(min_size=1, max_size=3))) if s]
-    engine = SimpleNamespace(model=SimpleNamespace(sha256="00" * 32), n_ctx=1 << 20, new_sequence=lambda: 0)
-    record = {"prompt_tokens": [1], "max_tokens": len(ids), "temperature": 0.0, "top_k": 0, "top_p": 1.0,
-              "seed": 0, "stop": stops}
-    gen = Generation(engine, tok, record)
+    gen = _generation(tok, stops, len(ids))
     logits = np.zeros(4, np.float32)
     streamed = [""]
     for k, t in enumerate(ids):
@@ -271,14 +276,8 @@ def _byte_token(tok, b: bytes) -> int:
 def test_stop_strings_meet_held_back_bytes(tok, pieces, stops, steps, finish, text):
     """A stop string is searched in the text as decoding the whole output shows it,
     U+FFFD for bytes of a character not yet complete included."""
-    from types import SimpleNamespace
-
-    from node.generate import Generation
-
     ids = [_byte_token(tok, p) for p in pieces]
-    engine = SimpleNamespace(model=SimpleNamespace(sha256="00" * 32), n_ctx=1 << 20, new_sequence=lambda: 0)
-    gen = Generation(engine, tok, {"prompt_tokens": [1], "max_tokens": 10, "temperature": 0.0, "top_k": 0,
-                                   "top_p": 1.0, "seed": 0, "stop": stops})
+    gen = _generation(tok, stops, 10)
     for n, t in enumerate(ids, 1):
         gen.take(t, np.zeros(4, np.float32))
         if gen.done:
