@@ -41,15 +41,15 @@ def subtree_sum(t: np.ndarray, g: int, lanes: int, axis: int = -1) -> np.ndarray
     n = t.shape[axis]
     if lanes & (lanes - 1) or WARP % lanes or n > lanes * g:
         raise ValueError(f"{n} terms do not fit {lanes} lanes of {g}")
-    if n < lanes * g:
-        pad = t.shape[:axis] + (lanes * g - n,) + t.shape[axis + 1:]
-        t = np.concatenate([t, np.zeros(pad, F32)], axis=axis)
-    # Split the axis in place into (lanes, g): no transposing copy of the terms.
-    t = t.reshape(t.shape[:axis] + (lanes, g) + t.shape[axis + 1:])
     lead = (slice(None),) * axis
-    acc = np.zeros(t.shape[:axis] + (lanes,) + t.shape[axis + 2:], F32)
+    full, rest = divmod(n, g)  # lanes holding g terms; terms of the one partial lane after them
+    # The full lanes' terms split in place into (full, g): no copy of the terms.
+    tf = t[lead + (slice(0, full * g),)].reshape(t.shape[:axis] + (full, g) + t.shape[axis + 1:])
+    acc = np.zeros(t.shape[:axis] + (lanes,) + t.shape[axis + 1:], F32)  # lanes past the terms stay +0.0
     for j in range(g):
-        acc = acc + t[lead + (slice(None), j)]
+        acc[lead + (slice(0, full),)] += tf[lead + (slice(None), j)]
+    for j in range(rest):
+        acc[lead + (full,)] += t[lead + (full * g + j,)]
     while acc.shape[axis] > 1:
         acc = acc[lead + (slice(0, None, 2),)] + acc[lead + (slice(1, None, 2),)]
     return acc[lead + (0,)]

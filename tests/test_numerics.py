@@ -13,18 +13,21 @@ F32 = np.float32
 rng = np.random.default_rng(1234)
 
 
-def scalar_warp_sum(terms):
-    """Independent scalar emulation of the contract's warp_sum (lanes, then xor-butterfly)."""
+def scalar_warp_sum(terms, g=None, n_lanes=32):
+    """Independent scalar emulation of the contract's warp_sum (lanes, then xor-butterfly);
+    with ``g`` and ``n_lanes``, the subtree of that many lanes of g terms."""
     n = len(terms)
-    g = max(1, -(-n // 32))
+    g = max(1, -(-n // 32)) if g is None else g
     lanes = []
-    for lane in range(32):
+    for lane in range(n_lanes):
         acc = F32(0.0)
         for i in range(lane * g, min(n, lane * g + g)):
             acc = F32(acc + F32(terms[i]))
         lanes.append(acc)
-    for off in (1, 2, 4, 8, 16):
-        lanes = [F32(lanes[i] + lanes[i ^ off]) for i in range(32)]
+    off = 1
+    while off < n_lanes:
+        lanes = [F32(lanes[i] + lanes[i ^ off]) for i in range(n_lanes)]
+        off *= 2
     assert len(set(v.tobytes() for v in lanes)) == 1  # every lane holds the same value
     return lanes[0]
 
@@ -33,6 +36,22 @@ def scalar_warp_sum(terms):
 def test_warp_sum_matches_scalar_emulation(n):
     t = (rng.standard_normal(n) * 10 ** rng.uniform(-3, 3, n)).astype(F32)
     assert ref.warp_sum(t).tobytes() == scalar_warp_sum(t).tobytes()
+
+
+@pytest.mark.parametrize("lanes,g,n", [(32, 3, 71), (32, 8, 256), (16, 5, 1), (8, 4, 31), (4, 7, 28), (2, 3, 5),
+                                       (1, 6, 5), (32, 1, 18)])
+def test_subtree_sum_on_any_axis_matches_scalar_emulation(lanes, g, n):
+    """Full lanes, one partial lane and empty lanes; signed zeros and subnormal terms;
+    the summed axis first, in the middle or last, in strided views."""
+    t = (rng.standard_normal((3, n, 2)) * 10 ** rng.uniform(-42, 3, (3, n, 2))).astype(F32)
+    t[0, ::3, 0], t[1, ::4, 1] = -0.0, 0.0
+    want = np.array([[scalar_warp_sum(t[i, :, j], g, lanes) for j in range(2)] for i in range(3)], F32)
+    strided = np.zeros((3, 2 * n, 2), F32)[:, ::2]
+    strided[...] = t
+    for axis, a in ((1, t), (0, t.transpose(1, 0, 2)), (2, t.transpose(0, 2, 1)), (1, strided)):
+        assert ref.subtree_sum(a, g, lanes, axis).tobytes() == want.tobytes(), f"axis {axis}"
+    # lanes start at +0.0, so terms that are all -0.0 sum to +0.0
+    assert ref.subtree_sum(np.full((2, n), -0.0, F32), g, lanes).tobytes() == np.zeros(2, F32).tobytes()
 
 
 def test_warp_sum_order_is_observable():
