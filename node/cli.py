@@ -16,7 +16,7 @@ import sys
 import warnings
 
 from . import __version__
-from .errors import BitexactError, RequestError
+from .errors import BitexactError, RequestError, one_line
 
 EXIT_OK, EXIT_FAIL, EXIT_INPUT = 0, 1, 2
 
@@ -243,7 +243,7 @@ def cmd_verify(args) -> int:
                           "first_divergent_step": rep.first_divergent_step, "expected_token": rep.expected_token,
                           "got_token": rep.got_token, "key_id": rep.payload["signer"]["key_id"]}))
     else:
-        print(rep.message)
+        print(one_line(rep.message))
     return EXIT_OK if rep.ok else EXIT_FAIL
 
 
@@ -374,10 +374,11 @@ _interrupted.seen = False
 
 
 def _error_line(text: str) -> None:
-    """``text`` on stderr; if stderr cannot take it (``2>/dev/full``), nothing more is
-    written there (it now goes to /dev/null), and the exit code alone tells."""
+    """``text`` on stderr as one line (:func:`one_line`); if stderr cannot take it
+    (``2>/dev/full``), nothing more is written there (it now goes to /dev/null),
+    and the exit code alone tells."""
     try:
-        print(text, file=sys.stderr, flush=True)
+        print(one_line(text), file=sys.stderr, flush=True)
     except (OSError, ValueError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
 

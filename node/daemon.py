@@ -223,7 +223,8 @@ class Node:
         if len(given) == 2:
             raise ApiError(400, "give 'max_tokens' or 'max_completion_tokens', not both", param="max_tokens")
         limit = given[0] if given else "max_tokens"
-        max_tokens = _field(body, limit, int, 16, what="an integer")
+        # absent: OpenAI's completions default of 16, within the node's cap
+        max_tokens = _field(body, limit, int, min(16, self.max_tokens_cap), what="an integer")
         if max_tokens > self.max_tokens_cap:
             raise ApiError(400, f"'{limit}' may be at most {self.max_tokens_cap}", param=limit)
         temperature = _field(body, "temperature", (int, float), 0.0, what="a number")

@@ -5,6 +5,14 @@ message as one line and exits with its ``exit_code``.
 """
 
 
+def one_line(text: str) -> str:
+    """``text`` with every character that is not printable (line breaks, terminal
+    escape sequences, other controls) written as a Python string literal writes
+    it (``\\n``, ``\\x1b``), so a message quoting a model file or a request stays
+    one line and cannot drive the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class BitexactError(Exception):
     """Input that cannot be processed (exit code 2)."""
 

@@ -89,8 +89,9 @@ def _validate_messages(messages) -> None:
 def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
     """Validate ``req`` and return its attested record with prompt token ids.
 
-    Raises :class:`RequestError` for an empty prompt, a prompt that leaves no
-    room in the context, ``max_tokens <= 0`` or bad sampling parameters.
+    Raises :class:`RequestError` for an empty prompt, one that encodes to no
+    tokens, a prompt that leaves no room in the context, ``max_tokens <= 0`` or
+    bad sampling parameters.
     """
     req.validate()
     if req.messages is not None:
@@ -108,6 +109,8 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
         raise RequestError(f"the prompt is at least {least} tokens; the context holds {n_ctx} (one must stay free)",
                            param=param, code="context_length_exceeded")
     ids = tok.encode(text, special=mode == "chat")
+    if not ids:  # e.g. characters the model's vocabulary drops
+        raise RequestError(f"the {param} encodes to no tokens of this model's vocabulary", param=param)
     if len(ids) >= n_ctx:
         raise RequestError(f"the prompt is {len(ids)} tokens; the context holds {n_ctx} (one must stay free)",
                            param=param, code="context_length_exceeded")

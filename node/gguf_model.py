@@ -141,17 +141,18 @@ def load_model(path: str) -> Model:
     for t in reader.tensors:
         qtype = t.tensor_type.name
         shape = [int(s) for s in t.shape]
-        cols = shape[0]
-        rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
         if qtype not in SUPPORTED_TYPES:
-            raise ModelError(f"tensor {t.name} has unsupported quant type {qtype} "
+            raise ModelError(f"tensor {t.name!r} has unsupported quant type {qtype} "
                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
         if min(shape, default=0) < 1:
-            raise ModelError(f"tensor {t.name} has shape {shape}: every dimension must be at least 1")
+            raise ModelError(f"tensor {t.name!r} has shape {shape}: it needs at least one dimension, "
+                             "and every dimension must be at least 1")
+        cols = shape[0]
+        rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
         raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
         bb, be = BLOCK_BYTES.get(qtype, ({"F32": 4, "F16": 2, "BF16": 2}.get(qtype, 0), 1))
         if cols % be or raw.shape[1] != cols // be * bb:
-            raise ModelError(f"tensor {t.name}: {raw.shape[1]} bytes per row do not hold {cols} {qtype} values")
+            raise ModelError(f"tensor {t.name!r}: {raw.shape[1]} bytes per row do not hold {cols} {qtype} values")
         tensors[t.name] = Tensor(t.name, qtype, rows, cols, raw)
 
     def num(key, kind, default=None, ok=lambda v: v > 0):
@@ -200,7 +201,7 @@ def load_model(path: str) -> Model:
     allowed = set(required) | {"output.weight", "rope_freqs.weight"}
     for name in tensors:
         if name not in allowed:
-            raise ModelError(f"unsupported tensor {name} (not part of the llama architecture)")
+            raise ModelError(f"unsupported tensor {name!r} (not part of the llama architecture)")
     for name, t in tensors.items():
         want = _expected_shape(name, hp)
         if (t.rows, t.cols) != want:

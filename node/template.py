@@ -22,7 +22,7 @@ import threading
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .errors import RequestError
+from .errors import RequestError, one_line
 
 TEMPLATE_STEPS = 1_000_000  # Python line events one rendering may take (about a second)
 TEMPLATE_ITEMS = 1_000_000  # the longest string or list one ``*`` may build, the most digits one ``**`` may
@@ -123,13 +123,13 @@ class _Renderer:
                 self._conn.send((source, context))
                 if not self._conn.poll(TEMPLATE_SECONDS):
                     self._stop()
-                    raise RequestError(f"chat template failed: it took more than {TEMPLATE_SECONDS:g} s")
+                    raise RequestError(f"chat template failed: it took more than {TEMPLATE_SECONDS:g} s", "messages")
                 kind, value = self._conn.recv()
             except (EOFError, OSError):
                 self._stop()
-                raise RequestError("chat template failed: the process rendering it died") from None
+                raise RequestError("chat template failed: the process rendering it died", "messages") from None
         if kind != "ok":
-            raise RequestError(f"chat template failed: {value}")
+            raise RequestError(f"chat template failed: {one_line(value)}", "messages")   # text from the model file
         return value
 
 

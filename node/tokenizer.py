@@ -72,6 +72,20 @@ def _pieces(llama_cpp, vocab, n: int, special: bool) -> list[bytes]:
     return out
 
 
+def _check_byte_tokens(llama_cpp, vocab, n: int, path: str) -> None:
+    """Refuse (:class:`ModelError`) a SentencePiece vocabulary without the byte
+    tokens ``<0x00>`` .. ``<0xFF>``: llama.cpp falls back to them for text outside
+    the vocabulary and aborts the process when one is missing (byte-level BPE
+    vocabularies such as SmolLM2's skip a missing byte instead)."""
+    if llama_cpp.llama_vocab_type(vocab) != llama_cpp.LLAMA_VOCAB_TYPE_SPM:
+        return
+    have = {llama_cpp.llama_vocab_get_text(vocab, llama_cpp.llama_token(i)) for i in range(n)}
+    missing = [b for b in range(256) if f"<0x{b:02X}>".encode() not in have]
+    if missing:
+        raise ModelError(f"{path}: the SentencePiece vocabulary has no byte token for {len(missing)} of the "
+                         f"256 bytes (such as <0x{missing[0]:02X}>); llama.cpp needs all of them")
+
+
 class Tokenizer:
     """Tokenize and detokenize with the vocabulary stored in ``model``'s GGUF file.
 
@@ -92,12 +106,15 @@ class Tokenizer:
         if n != model.hparams.n_vocab:
             raise ModelError(f"the tokenizer has {n} tokens but the model {model.hparams.n_vocab} "
                              f"(rows of token_embd.weight); they must match")
+        _check_byte_tokens(llama_cpp, self._enc.vocab, n, model.path)
         self.eos_id = int(self._enc.token_eos())
         self.bos_id = int(self._enc.token_bos())
         pieces = _pieces(llama_cpp, self._enc.vocab, n, special=True)
         self._text = _pieces(llama_cpp, self._enc.vocab, n, special=False)   # what decode joins
         self.max_piece_bytes = max(1, max(map(len, pieces)))  # no token stands for more bytes of text
         types = model.metadata.get("tokenizer.ggml.token_type") or []
+        if len(types) not in (0, n):
+            raise ModelError(f"{model.path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
         control = sorted({pieces[i].decode("utf-8", "replace") for i, ty in enumerate(types)
                           if ty in CONTROL_TYPES and pieces[i]}, key=len, reverse=True)
         self._control = re.compile("|".join(map(re.escape, control))) if control else None

@@ -56,6 +56,14 @@ def enc_key(tmp_path_factory):
 # --------------------------------------------------------------------------
 # keygen
 
+def test_error_lines_escape_line_breaks_and_terminal_escapes(capsys):
+    """An error message quoting a model file or a request is printed as one line
+    that cannot drive the terminal."""
+    from node import cli
+    cli._error_line("bitexact: error: tensor zz\n\x1b[31mEVIL \u2028 é")
+    assert capsys.readouterr().err == "bitexact: error: tensor zz\\n\\x1b[31mEVIL \\u2028 é\n"
+
+
 def test_version_and_a_missing_command(tmp_path):
     from node import __version__
     p = bx(tmp_path, "--version")
@@ -212,6 +220,7 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
 @pytest.mark.parametrize("args,needle", [
     (["--prompt", ""], "prompt is empty"),
     (["--prompt", "   \n\t "], "prompt is empty"),
+    (["--prompt", "\x04\x06"], "encodes to no tokens"),
     (["--prompt", LONG_PROMPT, "--ctx", "16"], "context holds 16"),
     (["--prompt", "hi", "--max-tokens", "0"], "max tokens"),
     (["--prompt", "hi", "--max-tokens", "-1"], "max tokens"),
@@ -584,6 +593,7 @@ def test_verify_with_a_missing_or_bad_model(art, tmp_path, which):
     (("request", "max_tokens"), 2 ** 63, "max tokens"),
     (("request", "top_k"), -1, "top_k"),
     (("request", "stop"), [""], "stop strings"),
+    (("request", "prompt"), "\x04", "encodes to no tokens"),     # a character the vocabulary drops
 ])
 def test_verify_fails_a_signed_request_the_node_would_refuse(art, tmp_path, path, value, why):
     """Step 7 (docs/attestation.md): a validly signed request that cannot be

@@ -233,6 +233,7 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (json.dumps({"prompt": 42}).encode(), 400, "prompt"),
     (json.dumps({"prompt": ""}).encode(), 400, "prompt"),
     (json.dumps({"prompt": "   "}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": "\u0004"}).encode(), 400, "prompt"),   # no token: a character the vocabulary drops
     (json.dumps({"prompt": "hi", "max_tokens": 10 ** 9}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "hi", "max_tokens": 0}).encode(), 400, "max_tokens"),
     (json.dumps(["a"]).encode(), 400, None),
@@ -574,6 +575,19 @@ def test_limits_context_body_and_queue(key, tmp_path, solo):
         assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 1, codes
         assert all(e["error"]["type"] == "rate_limit_error" for c, e in got if c == 429)
         assert d.post_raw("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())[0] == 200
+    finally:
+        assert d.stop() == 0
+
+
+def test_without_max_tokens_a_small_cap_is_the_limit(key, tmp_path):
+    """OpenAI's default of 16 tokens, within the node's cap: a request that gives
+    no limit is served (at most the cap), not refused for a field it never sent."""
+    d = Daemon(key, str(tmp_path / "data"), "--max-tokens-cap", "3")
+    try:
+        for path, body in (("/v1/completions", {"prompt": "Once upon a time"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story."}]})):
+            code, out = d.post_raw(path, json.dumps(body).encode())
+            assert code == 200 and 1 <= out["usage"]["completion_tokens"] <= 3, out
     finally:
         assert d.stop() == 0
 

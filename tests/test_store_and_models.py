@@ -85,19 +85,21 @@ def test_rope_angles_past_the_table_range_are_one_model_error(tmp_path, metadata
             Engine(model, n_ctx=2048)
 
 
-def test_a_tensor_with_an_empty_dimension_is_a_model_error(tmp_path):
-    """A zero-row tensor (valid GGUF) is refused by name, not with numpy's reshape error."""
+@pytest.mark.parametrize("shape,shown", [((0, 64), r"\[64, 0\]"), ((), r"\[\]")])
+def test_a_tensor_with_an_empty_dimension_or_none_is_a_model_error(tmp_path, shape, shown):
+    """A zero-row tensor or one of no dimensions (valid GGUF) is refused by name, not
+    with numpy's reshape error or an IndexError."""
     import numpy as np
     from gguf import GGUFWriter
 
     path = str(tmp_path / "zero.gguf")
     w = GGUFWriter(path, "llama")
-    w.add_tensor("token_embd.weight", np.zeros((0, 64), np.float32))
+    w.add_tensor("token_embd.weight", np.zeros(shape, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelError, match=r"token_embd.weight has shape \[64, 0\]: every dimension"):
+    with pytest.raises(ModelError, match=f"'token_embd.weight' has shape {shown}: it needs at least one dimension"):
         load_model(path)
 
 

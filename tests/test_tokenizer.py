@@ -21,10 +21,11 @@ def tok():
 
 
 def _copy_with(src: str, dst: str, extra_row: bool = False, template: str | None = None,
-               fill: dict | None = None) -> None:
+               fill: dict | None = None, keys: dict | None = None) -> None:
     """The GGUF at ``src`` with one more row in token_embd.weight (a copy of its
-    last), another ``tokenizer.chat_template``, and/or the float tensors named in
-    ``fill`` set to one value each."""
+    last), another ``tokenizer.chat_template``, the float tensors named in
+    ``fill`` set to one value each, and/or the metadata ``keys`` given other
+    values of their types."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     r = GGUFReader(src)
@@ -35,6 +36,7 @@ def _copy_with(src: str, dst: str, extra_row: bool = False, template: str | None
             continue
         vt = f.types[0]
         value = template if key == "tokenizer.chat_template" and template is not None else f.contents()
+        value = (keys or {}).get(key, value)
         w.add_key_value(key, value, vt, f.types[1] if vt == GGUFValueType.ARRAY else None)
     for t in r.tensors:
         data = np.array(t.data)
@@ -58,6 +60,35 @@ def test_the_vocabulary_must_match_the_model(tmp_path):
     assert model.hparams.n_vocab == 49153
     with pytest.raises(ModelError, match="the tokenizer has 49152 tokens but the model 49153"):
         Tokenizer(model)
+
+
+def test_a_sentencepiece_vocabulary_without_byte_tokens_is_refused(tmp_path):
+    """llama.cpp falls back to SentencePiece byte tokens for text outside the
+    vocabulary and aborts the process when one is missing: refused at load
+    (SmolLM2's byte-level BPE vocabulary, relabelled as SentencePiece)."""
+    path = str(tmp_path / "spm.gguf")
+    _copy_with(default_model_path(), path, keys={"tokenizer.ggml.model": "llama"})
+    with pytest.raises(ModelError, match="no byte token for 256 of the 256 bytes"):
+        Tokenizer(load_model(path))
+
+
+def test_token_types_must_match_the_vocabulary(tmp_path):
+    from gguf import GGUFReader
+    types = GGUFReader(default_model_path()).fields["tokenizer.ggml.token_type"].contents()
+    path = str(tmp_path / "types.gguf")
+    _copy_with(default_model_path(), path, keys={"tokenizer.ggml.token_type": types + [3]})
+    with pytest.raises(ModelError, match="token_type has 49153 entries for 49152 tokens"):
+        Tokenizer(load_model(path))
+
+
+@pytest.mark.parametrize("prompt", ["\x04", "\x04\x06\x13\x14\x16"])
+def test_a_prompt_of_no_tokens_is_refused(tok, prompt):
+    """Characters the vocabulary drops (not whitespace to str.strip) leave no token
+    to feed: refused as the prompt's error, not a failure of the engine step."""
+    assert tok.encode(prompt) == []
+    with pytest.raises(RequestError, match="encodes to no tokens") as e:
+        build_request(Request(prompt=prompt, max_tokens=2), tok, 512)
+    assert e.value.param == "prompt"
 
 
 def test_a_hostile_chat_template_in_the_file_does_not_reach_the_tokenizer(tmp_path):
