@@ -25,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2
         sub = self.prog.split()[-1]
         where = "bitexact --help" if sub == "bitexact" else f"bitexact {sub} --help"
-        self.exit(EXIT_INPUT, f"bitexact: error: {message} (see {where})\n")
+        self.exit(EXIT_INPUT, one_line(f"bitexact: error: {message} (see {where})") + "\n")
 
     def _print_message(self, message, file=None):  # argparse drops write errors: --help / --version must not
         file = file or sys.stderr
@@ -175,7 +175,7 @@ def _serve(args, tok, key, engine) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tp = f" (tensor parallel: {args.tp} rank processes{' on as many GPUs' if engine.device == 'cuda' else ''})" \
         if args.tp != 1 else ""
-    banner = (f"bitexact serve: {node.model_id} on {engine.device}{tp}, key id {node.key_id}, "
+    banner = (f"bitexact serve: {one_line(node.model_id)} on {engine.device}{tp}, key id {node.key_id}, "
               f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{sock.getsockname()[1]}")  # bound port
     web.run_app(make_app(node, args.max_body_bytes, args.body_timeout), sock=sock, shutdown_timeout=30,
                 print=lambda _: print(banner, flush=True), access_log=None, handler_cancellation=True,

@@ -213,9 +213,10 @@ def load_model(path: str) -> Model:
             if t.cols % QK:
                 raise ModelError(f"tensor {t.name}: K={t.cols} is not a multiple of {QK}")
     tied = "output.weight" not in tensors
-    metadata = {k: _field(reader, k) for k in ("general.name", "tokenizer.chat_template",
-                                                "tokenizer.ggml.eos_token_id",
-                                                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.token_type")}
+    metadata = {k: _field(reader, k) for k in ("general.name", "tokenizer.chat_template", "tokenizer.ggml.model",
+                                                "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                                                "tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id",
+                                                "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token")}
     return Model(path=os.path.abspath(path), sha256=file_sha256(path), arch=arch, hparams=hp,
                  tensors=tensors, metadata=metadata, tied_output=tied)
 

@@ -18,6 +18,14 @@ from .template import render_template
 CONTROL_TYPES = (3, 4)  # tokenizer.ggml.token_type CONTROL and USER_DEFINED: what encode(special=True) parses
 _BACKEND = threading.Lock()  # llama_backend_init, once per process
 _backend_ready = False
+_SILENT_LOG = None  # the llama.cpp log callback (_silent_log), referenced so it is never freed
+
+
+def _silent_log(llama_cpp):
+    """A llama.cpp log callback that drops every line, kept alive for the process."""
+    global _SILENT_LOG
+    _SILENT_LOG = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+    return _SILENT_LOG
 
 
 def _load_vocab(llama_cpp, path: str):
@@ -40,6 +48,8 @@ def _load_vocab(llama_cpp, path: str):
         with _BACKEND:
             if not _backend_ready:
                 llama_cpp.llama_backend_init()
+                # llama.cpp's log lines (warnings at tokenize time too) stay off the node's stderr
+                llama_cpp.llama_log_set(_silent_log(llama_cpp), ctypes.c_void_p(0))
                 _backend_ready = True
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
@@ -72,18 +82,48 @@ def _pieces(llama_cpp, vocab, n: int, special: bool) -> list[bytes]:
     return out
 
 
-def _check_byte_tokens(llama_cpp, vocab, n: int, path: str) -> None:
-    """Refuse (:class:`ModelError`) a SentencePiece vocabulary without the byte
-    tokens ``<0x00>`` .. ``<0xFF>``: llama.cpp falls back to them for text outside
-    the vocabulary and aborts the process when one is missing (byte-level BPE
-    vocabularies such as SmolLM2's skip a missing byte instead)."""
-    if llama_cpp.llama_vocab_type(vocab) != llama_cpp.LLAMA_VOCAB_TYPE_SPM:
-        return
-    have = {llama_cpp.llama_vocab_get_text(vocab, llama_cpp.llama_token(i)) for i in range(n)}
-    missing = [b for b in range(256) if f"<0x{b:02X}>".encode() not in have]
-    if missing:
-        raise ModelError(f"{path}: the SentencePiece vocabulary has no byte token for {len(missing)} of the "
-                         f"256 bytes (such as <0x{missing[0]:02X}>); llama.cpp needs all of them")
+BYTE_TYPE = 6  # tokenizer.ggml.token_type BYTE: SentencePiece's <0xNN> byte tokens
+
+
+def _check_vocab(model: Model) -> None:
+    """Refuse (:class:`ModelError`) tokenizer metadata that llama.cpp, which reads
+    the vocabulary, would abort the whole process on (an assertion or an uncaught
+    C++ exception, seen with llama-cpp-python 0.3.36), before it reads the file:
+    a tokenizer type other than byte-level BPE (``gpt2``) or SentencePiece
+    (``llama``); token texts that are not distinct strings without NUL; token
+    types that do not match the tokens, or byte tokens outside SentencePiece; a
+    SentencePiece vocabulary without all 256 byte tokens ``<0x00>`` .. ``<0xFF>``
+    (its fallback for text outside the vocabulary); a BOS or EOS token to be
+    added whose id names no token. Keys: GGUF spec, "Tokenizer"."""
+    md, path = model.metadata, model.path
+    kind = md.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise ModelError(f"{path}: tokenizer type {kind!r} is not supported (supported: 'gpt2', byte-level BPE; "
+                         "'llama', SentencePiece)")
+    tokens = md.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ModelError(f"{path}: tokenizer.ggml.tokens is not a list of strings")
+    if len(set(tokens)) != len(tokens):
+        seen: set[str] = set()
+        twice = next(t for t in tokens if t in seen or seen.add(t))
+        raise ModelError(f"{path}: the token text {twice!r} appears more than once in tokenizer.ggml.tokens")
+    if any("\0" in t for t in tokens):
+        raise ModelError(f"{path}: a token text in tokenizer.ggml.tokens holds a NUL character")
+    types = md.get("tokenizer.ggml.token_type") or []
+    if types and len(types) != len(tokens):
+        raise ModelError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    if kind == "gpt2" and BYTE_TYPE in types:
+        raise ModelError(f"{path}: a byte-level BPE vocabulary has a token of type BYTE (SentencePiece only)")
+    if kind == "llama":
+        missing = sorted({f"<0x{b:02X}>" for b in range(256)} - set(tokens))
+        if missing:
+            raise ModelError(f"{path}: the SentencePiece vocabulary has no byte token for {len(missing)} of the "
+                             f"256 bytes (such as {missing[0]}); llama.cpp needs all of them")
+    for end in ("bos", "eos"):
+        i = md.get(f"tokenizer.ggml.{end}_token_id")
+        if md.get(f"tokenizer.ggml.add_{end}_token") and not (isinstance(i, int) and 0 <= i < len(tokens)):
+            raise ModelError(f"{path}: tokenizer.ggml.add_{end}_token is set but tokenizer.ggml.{end}_token_id "
+                             f"{i!r} names no token")
 
 
 class Tokenizer:
@@ -101,20 +141,18 @@ class Tokenizer:
         except ImportError as e:
             raise ModelError(f"the tokenizer needs llama-cpp-python: {e}") from None
         self.model = model
+        _check_vocab(model)
         self._enc, self._enc_lock = _load_vocab(llama_cpp, model.path), threading.Lock()
         n = int(self._enc.n_vocab())
         if n != model.hparams.n_vocab:
             raise ModelError(f"the tokenizer has {n} tokens but the model {model.hparams.n_vocab} "
                              f"(rows of token_embd.weight); they must match")
-        _check_byte_tokens(llama_cpp, self._enc.vocab, n, model.path)
         self.eos_id = int(self._enc.token_eos())
         self.bos_id = int(self._enc.token_bos())
-        pieces = _pieces(llama_cpp, self._enc.vocab, n, special=True)
+        pieces = self._special = _pieces(llama_cpp, self._enc.vocab, n, special=True)   # control tokens as text
         self._text = _pieces(llama_cpp, self._enc.vocab, n, special=False)   # what decode joins
         self.max_piece_bytes = max(1, max(map(len, pieces)))  # no token stands for more bytes of text
         types = model.metadata.get("tokenizer.ggml.token_type") or []
-        if len(types) not in (0, n):
-            raise ModelError(f"{model.path}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
         control = sorted({pieces[i].decode("utf-8", "replace") for i, ty in enumerate(types)
                           if ty in CONTROL_TYPES and pieces[i]}, key=len, reverse=True)
         self._control = re.compile("|".join(map(re.escape, control))) if control else None
@@ -166,7 +204,8 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict]) -> str:
         """Render ``messages`` (``[{"role": str, "content": str}, ...]``) with the
-        model's chat template and ``add_generation_prompt=True``.
+        model's chat template and ``add_generation_prompt=True``; ``bos_token`` and
+        ``eos_token`` are those tokens' own texts (empty for a vocabulary without one).
 
         Raises :class:`RequestError` when the model has no template or the
         template fails on these messages.
@@ -174,10 +213,10 @@ class Tokenizer:
         tpl = self.model.metadata.get("tokenizer.chat_template")
         if not tpl:
             raise RequestError("this model has no tokenizer.chat_template; use --prompt")
-        piece = self.decode_bytes
+        def text(i):  # a control token's own text (e.g. "<s>"), which encode(special=True) parses back
+            return self._special[i].decode("utf-8", "replace") if 0 <= i < len(self._special) else ""
         return render_template(tpl, messages=messages, add_generation_prompt=True,
-                               bos_token=piece([self.bos_id]).decode("utf-8", "replace"),
-                               eos_token=piece([self.eos_id]).decode("utf-8", "replace"))
+                               bos_token=text(self.bos_id), eos_token=text(self.eos_id))
 
 
 class TextStream:

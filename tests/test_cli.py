@@ -64,6 +64,11 @@ def test_error_lines_escape_line_breaks_and_terminal_escapes(capsys):
     assert capsys.readouterr().err == "bitexact: error: tensor zz\\n\\x1b[31mEVIL \\u2028 é\n"
 
 
+def test_an_unrecognized_argument_is_one_escaped_line(art, tmp_path):
+    msg = assert_input_error(bx(tmp_path, "run", "--key", art.key, "--prompt", "hi", "\x1b[31mRED\nsecond"))
+    assert "unrecognized arguments: \\x1b[31mRED\\nsecond" in msg
+
+
 def test_version_and_a_missing_command(tmp_path):
     from node import __version__
     p = bx(tmp_path, "--version")

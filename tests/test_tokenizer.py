@@ -62,23 +62,61 @@ def test_the_vocabulary_must_match_the_model(tmp_path):
         Tokenizer(model)
 
 
-def test_a_sentencepiece_vocabulary_without_byte_tokens_is_refused(tmp_path):
-    """llama.cpp falls back to SentencePiece byte tokens for text outside the
-    vocabulary and aborts the process when one is missing: refused at load
-    (SmolLM2's byte-level BPE vocabulary, relabelled as SentencePiece)."""
-    path = str(tmp_path / "spm.gguf")
-    _copy_with(default_model_path(), path, keys={"tokenizer.ggml.model": "llama"})
-    with pytest.raises(ModelError, match="no byte token for 256 of the 256 bytes"):
-        Tokenizer(load_model(path))
-
-
-def test_token_types_must_match_the_vocabulary(tmp_path):
+def _vocab_case(case: str) -> dict:
+    """Metadata of the default model changed so that llama.cpp would abort the
+    process reading or using the vocabulary (or index past it)."""
     from gguf import GGUFReader
-    types = GGUFReader(default_model_path()).fields["tokenizer.ggml.token_type"].contents()
-    path = str(tmp_path / "types.gguf")
-    _copy_with(default_model_path(), path, keys={"tokenizer.ggml.token_type": types + [3]})
-    with pytest.raises(ModelError, match="token_type has 49153 entries for 49152 tokens"):
+    fields = GGUFReader(default_model_path()).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    if case == "duplicate":
+        tokens[1000] = tokens[1001]
+    elif case == "nul":
+        tokens[1000] = "a\x00b"
+    elif case == "byte_type":
+        types[100] = 6
+    return {"spm": {"tokenizer.ggml.model": "llama"},  # SmolLM2's byte-level BPE, relabelled SentencePiece
+            "rwkv": {"tokenizer.ggml.model": "rwkv"}, "none": {"tokenizer.ggml.model": "none"},
+            "duplicate": {"tokenizer.ggml.tokens": tokens}, "nul": {"tokenizer.ggml.tokens": tokens},
+            "byte_type": {"tokenizer.ggml.token_type": types},
+            "types_long": {"tokenizer.ggml.token_type": types + [3]},
+            "types_short": {"tokenizer.ggml.token_type": types[:-1]},
+            "bos": {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 60000}}[case]
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("spm", "no byte token for 256 of the 256 bytes"),
+    ("rwkv", "tokenizer type 'rwkv' is not supported"),
+    ("none", "tokenizer type 'none' is not supported"),
+    ("duplicate", "appears more than once"),
+    ("nul", "NUL"),
+    ("byte_type", "a token of type BYTE"),
+    ("types_long", "token_type has 49153 entries for 49152 tokens"),
+    ("types_short", "token_type has 49151 entries for 49152 tokens"),
+    ("bos", "add_bos_token is set but tokenizer.ggml.bos_token_id 60000 names no token"),
+])
+def test_vocabularies_llama_cpp_would_abort_on_are_refused(tmp_path, case, needle):
+    """llama.cpp asserts or throws (and the process aborts) on these while it reads
+    the vocabulary or tokenizes with it, and token types of another length than
+    the tokens are read past their end: each is refused before llama.cpp sees the file."""
+    path = str(tmp_path / f"{case}.gguf")
+    _copy_with(default_model_path(), path, keys=_vocab_case(case))
+    with pytest.raises(ModelError, match=needle):
         Tokenizer(load_model(path))
+
+
+def test_chat_templates_get_the_bos_and_eos_texts(tok):
+    """``bos_token`` and ``eos_token`` are those tokens' own texts, which the
+    rendered prompt's encoding parses back into the control tokens."""
+    saved = tok.model.metadata["tokenizer.chat_template"]
+    try:
+        tok.model.metadata["tokenizer.chat_template"] = "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}"
+        text = tok.render_chat([{"role": "user", "content": "hi"}])
+    finally:
+        tok.model.metadata["tokenizer.chat_template"] = saved
+    assert text == "<|im_start|>hi<|im_end|>"
+    ids = tok.encode(text, special=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
 
 
 @pytest.mark.parametrize("prompt", ["\x04", "\x04\x06\x13\x14\x16"])
