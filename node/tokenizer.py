@@ -5,6 +5,7 @@ model), byte-identical to llama.cpp, and chat templates from the GGUF key
 from __future__ import annotations
 
 import codecs
+import collections
 import ctypes
 import os
 import re
@@ -103,10 +104,9 @@ def _check_vocab(model: Model) -> None:
     tokens = md.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise ModelError(f"{path}: tokenizer.ggml.tokens is not a list of strings")
-    if len(set(tokens)) != len(tokens):
-        seen: set[str] = set()
-        twice = next(t for t in tokens if t in seen or seen.add(t))
-        raise ModelError(f"{path}: the token text {twice!r} appears more than once in tokenizer.ggml.tokens")
+    twice = [t for t, k in collections.Counter(tokens).items() if k > 1]
+    if twice:
+        raise ModelError(f"{path}: the token text {twice[0]!r} appears more than once in tokenizer.ggml.tokens")
     if any("\0" in t for t in tokens):
         raise ModelError(f"{path}: a token text in tokenizer.ggml.tokens holds a NUL character")
     types = md.get("tokenizer.ggml.token_type") or []
@@ -129,7 +129,8 @@ def _check_vocab(model: Model) -> None:
 class Tokenizer:
     """Tokenize and detokenize with the vocabulary stored in ``model``'s GGUF file.
 
-    Raises :class:`ModelError` when the vocabulary cannot be loaded or its size
+    Raises :class:`ModelError` when the vocabulary cannot be loaded, is one
+    llama.cpp would abort the process on (:func:`_check_vocab`), or its size
     differs from the model's (rows of ``token_embd``), as llama.cpp requires.
     Every token's text is read from llama.cpp once, here; decoding joins those
     pieces, so it never waits for a long prompt being tokenized.
