@@ -204,8 +204,9 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, qpos: np.
     out = np.empty_like(q)
     p_used = int(qpos.max()) + 1
     n_split = -(-p_used // SPLIT_KV)
-    # With one split, slots at or past p_used are dead for every query: their terms
-    # (+0) are left to subtree_sum's padding, which adds the same +0.
+    # With one split, slots at or past p_used are dead for every query: their +0 terms
+    # are left out, as subtree_sum leaves out the missing terms of a lane (adding +0
+    # to a lane sum, never -0.0, changes nothing).
     slots = p_used if n_split == 1 else SPLIT_KV
     width = n_split * slots
     kk = np.zeros((hkv, width, hd), F32)
