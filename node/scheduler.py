@@ -153,15 +153,17 @@ class Scheduler:
 
     def _step(self, batch: list[Job]) -> None:
         """One engine step for ``batch``. A :class:`BitexactError` fails the
-        requests it concerns; any other exception is a bug: it is logged with
-        its traceback and fails this step's requests, and the node keeps serving."""
+        requests it concerns; any other exception is a bug, logged with its
+        traceback. A bug in the forward pass or the draw is narrowed down by
+        running the step's requests one by one (a request's bytes do not depend
+        on its batch), so it fails only the requests that hit it; a bug
+        elsewhere fails this step's requests. The node keeps serving."""
         try:
             self._step_jobs(batch)
         except Exception as e:   # noqa: BLE001 - the worker thread must survive
             log.exception("engine step failed")
-            err = BitexactError(f"internal error in the engine step: {type(e).__name__}: {e}")
             for job in batch:
-                self._drop(job, err)
+                self._drop(job, _as_request_error(e))
 
     def _plan(self, ready: list[Job]) -> tuple[list[Job], list[list[int]]]:
         """This step's jobs and their chunks: every decoding job's token, and
@@ -199,18 +201,30 @@ class Scheduler:
             for job in ready:
                 self._drop(job, e)
             return
+        except Exception:   # noqa: BLE001 - a bug: find the requests that hit it
+            log.exception("an engine step of %d requests failed; running them one by one", len(ready))
+            alone = []
+            for job, c in zip(ready, chunks):
+                try:
+                    alone.append((job, c, self.engine.forward([(job.gen.seq, c)])[0]))
+                except Exception as e:   # noqa: BLE001
+                    self._drop(job, _as_request_error(e))
+            if not alone:
+                return
+            ready, chunks, outs = (list(t) for t in zip(*alone))
         due = [(i, job.gen.due(len(c))) for i, (job, c) in enumerate(zip(ready, chunks))]
         picks = [(i, ready[i].gen.params, pos) for i, pos in due if pos is not None]
         try:
             toks = self.engine.sample(picks, outs)
-        except BitexactError as batch_err:   # e.g. logits / temperature overflow: find the rows, keep the others
-            log.warning("a step's draw failed (%s); drawing its %d rows one by one", batch_err, len(picks))
+        except Exception as batch_err:   # noqa: BLE001 - e.g. logits / temperature overflow: find the rows
+            (log.warning if isinstance(batch_err, BitexactError) else log.exception)(
+                "a step's draw failed (%s); drawing its %d rows one by one", batch_err, len(picks))
             toks = []
             for pick in picks:
                 try:
                     toks.append(self.engine.sample([pick], outs)[0])
-                except BitexactError as e:
-                    self._drop(ready[pick[0]], e)
+                except Exception as e:   # noqa: BLE001
+                    self._drop(ready[pick[0]], _as_request_error(e))
                     toks.append(None)
         sampled = 0
         for (i, _, _), t in zip(picks, toks):
@@ -236,6 +250,12 @@ class Scheduler:
             self._active.remove(job)
             self._cv.notify_all()
         self._finish(job, "error", err)
+
+
+def _as_request_error(e: Exception) -> BitexactError:
+    """``e`` itself when it is a :class:`BitexactError`, else (a bug) the error a request gets for it."""
+    return e if isinstance(e, BitexactError) else BitexactError(
+        f"internal error in the engine step: {type(e).__name__}: {e}")
 
 
 __all__ = ["Scheduler", "Job", "QueueFull", "Draining", "Result"]

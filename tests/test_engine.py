@@ -232,6 +232,72 @@ def test_a_sampling_fault_fails_only_its_request():
     assert ends[1][0] == "done" and ends[1][1].digest == want
 
 
+def test_a_bug_in_a_step_fails_only_the_requests_that_hit_it(caplog):
+    """A bug (not a BitexactError) in the forward pass or the draw fails only the
+    requests that hit it when run alone; the requests stepped beside them end
+    with their solo digests, and the node serves the next request."""
+    import threading
+
+    from node.gguf_model import default_model_path
+    from node.generate import Request, build_request, generate
+    from node.sampler import SamplingParams
+    from node.scheduler import Scheduler
+    from node.tokenizer import Tokenizer
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+    reqs = [Request(prompt="Zebras and yaks.", max_tokens=3), Request(prompt="Name a colour.", max_tokens=3,
+            params=SamplingParams(0.8, 0, 1.0, 666)), Request(prompt="Name a colour.", max_tokens=3),
+            Request(prompt="Count to three.", max_tokens=3, params=SamplingParams(0.8, 40, 0.9, 7))]
+    recs = [build_request(r, tok, 256) for r in reqs]
+    marker = next(t for t in recs[0]["prompt_tokens"] if all(t not in r["prompt_tokens"] for r in recs[1:]))
+
+    class Buggy:
+        """The engine, except that a forward pass holding ``marker`` and a draw for seed 666 raise."""
+        def __init__(self, engine):
+            self.engine, self.steps = engine, 0
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def forward(self, chunks, all_logits=False):
+            self.steps += 1
+            if any(marker in c for _, c in chunks):
+                raise RuntimeError("planted bug in the forward pass")
+            return self.engine.forward(chunks, all_logits)
+
+        def sample(self, picks, logits):
+            if any(p.seed == 666 for _, p, _ in picks):
+                raise ZeroDivisionError("planted bug in the draw")
+            return self.engine.sample(picks, logits)
+
+    want = {i: generate(Engine(model, n_ctx=256), tok, recs[i]).digest for i in (2, 3)}
+    ends, done = {}, threading.Event()
+
+    def on_event(i, kind, value):
+        if kind != "token":
+            ends[i] = (kind, value)
+            if len(ends) == len(recs) + 1:
+                done.set()
+
+    sched = Scheduler(Buggy(Engine(model, n_ctx=256)), tok, max_batch=4)
+    try:
+        for i, r in enumerate(recs):
+            sched.submit(r, lambda kind, value, i=i: on_event(i, kind, value))
+        end = time.monotonic() + 300
+        while len(ends) < len(recs) and time.monotonic() < end:
+            time.sleep(0.1)
+        sched.submit(recs[2], lambda kind, value: on_event(len(recs), kind, value))
+        assert done.wait(300), ends
+    finally:
+        sched.stop()
+    assert ends[0][0] == "error" and "RuntimeError: planted bug in the forward pass" in str(ends[0][1])
+    assert ends[1][0] == "error" and "ZeroDivisionError: planted bug in the draw" in str(ends[1][1])
+    for i in (2, 3):
+        assert ends[i][0] == "done" and ends[i][1].digest == want[i], (i, ends[i])
+    assert ends[len(recs)][0] == "done" and ends[len(recs)][1].digest == want[2]
+    assert "running them one by one" in caplog.text
+
+
 def test_a_broken_engine_still_answers_the_requests_of_its_failed_step():
     """When a step fails because the engine broke (a tensor-parallel rank died),
     freeing the sequences fails too; every request of the step still gets its
