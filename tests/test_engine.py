@@ -232,12 +232,37 @@ def test_a_sampling_fault_fails_only_its_request():
     assert ends[1][0] == "done" and ends[1][1].digest == want
 
 
+def serve_then_one_more(sched, recs, again, wait):
+    """Submit ``recs`` to ``sched``, wait (up to ``wait`` s) until each has ended,
+    then submit ``again`` and wait for it; stops ``sched``. Returns each request's
+    end ``(kind, value)`` by index, ``again``'s at ``len(recs)``."""
+    import threading
+    ends, done = {}, threading.Event()
+
+    def on_event(i, kind, value):
+        if kind != "token":
+            ends[i] = (kind, value)
+            if len(ends) == len(recs) + 1:
+                done.set()
+
+    try:
+        for i, r in enumerate(recs):
+            sched.submit(r, lambda kind, value, i=i: on_event(i, kind, value))
+        end = time.monotonic() + wait
+        while len(ends) < len(recs) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert len(ends) == len(recs), ends                         # the failed step's requests got answers
+        sched.submit(again, lambda kind, value: on_event(len(recs), kind, value))
+        assert done.wait(wait), ends
+    finally:
+        sched.stop()
+    return ends
+
+
 def test_a_bug_in_a_step_fails_only_the_requests_that_hit_it(caplog):
     """A bug (not a BitexactError) in the forward pass or the draw fails only the
     requests that hit it when run alone; the requests stepped beside them end
     with their solo digests, and the node serves the next request."""
-    import threading
-
     from node.gguf_model import default_model_path
     from node.generate import Request, build_request, generate
     from node.sampler import SamplingParams
@@ -271,25 +296,7 @@ def test_a_bug_in_a_step_fails_only_the_requests_that_hit_it(caplog):
             return self.engine.sample(picks, logits)
 
     want = {i: generate(Engine(model, n_ctx=256), tok, recs[i]).digest for i in (2, 3)}
-    ends, done = {}, threading.Event()
-
-    def on_event(i, kind, value):
-        if kind != "token":
-            ends[i] = (kind, value)
-            if len(ends) == len(recs) + 1:
-                done.set()
-
-    sched = Scheduler(Buggy(Engine(model, n_ctx=256)), tok, max_batch=4)
-    try:
-        for i, r in enumerate(recs):
-            sched.submit(r, lambda kind, value, i=i: on_event(i, kind, value))
-        end = time.monotonic() + 300
-        while len(ends) < len(recs) and time.monotonic() < end:
-            time.sleep(0.1)
-        sched.submit(recs[2], lambda kind, value: on_event(len(recs), kind, value))
-        assert done.wait(300), ends
-    finally:
-        sched.stop()
+    ends = serve_then_one_more(Scheduler(Buggy(Engine(model, n_ctx=256)), tok, max_batch=4), recs, recs[2], 300)
     assert ends[0][0] == "error" and "RuntimeError: planted bug in the forward pass" in str(ends[0][1])
     assert ends[1][0] == "error" and "ZeroDivisionError: planted bug in the draw" in str(ends[1][1])
     for i in (2, 3):
@@ -302,8 +309,6 @@ def test_a_broken_engine_still_answers_the_requests_of_its_failed_step():
     """When a step fails because the engine broke (a tensor-parallel rank died),
     freeing the sequences fails too; every request of the step still gets its
     error, and the worker keeps answering later requests."""
-    import threading
-
     from node.errors import BitexactError
     from node.gguf_model import default_model_path
     from node.generate import Request, build_request
@@ -329,27 +334,8 @@ def test_a_broken_engine_still_answers_the_requests_of_its_failed_step():
             return self.engine.forward(chunks, all_logits)
 
     recs = [build_request(Request(prompt=p, max_tokens=4), tok, 256) for p in ("Hi", "Name a colour.")]
-    sched = Scheduler(Broken(Engine(model, n_ctx=256)), tok, max_batch=4)
-    ends, done = {}, threading.Event()
-
-    def on_event(i, kind, value):
-        if kind != "token":
-            ends[i] = (kind, str(value))
-            if len(ends) == len(recs) + 1:
-                done.set()
-
-    try:
-        for i, r in enumerate(recs):
-            sched.submit(r, lambda kind, value, i=i: on_event(i, kind, value))
-        end = time.monotonic() + 120
-        while len(ends) < len(recs) and time.monotonic() < end:
-            time.sleep(0.1)
-        assert len(ends) == len(recs), ends                         # the failed step's requests got answers
-        sched.submit(recs[0], lambda kind, value: on_event(len(recs), kind, value))
-        assert done.wait(120), ends
-    finally:
-        sched.stop()
-    assert all(kind == "error" and "restarted" in msg for kind, msg in ends.values()), ends
+    ends = serve_then_one_more(Scheduler(Broken(Engine(model, n_ctx=256)), tok, max_batch=4), recs, recs[0], 120)
+    assert all(kind == "error" and "restarted" in str(err) for kind, err in ends.values()), ends
 
 
 def test_max_queue_zero_runs_a_request_when_a_batch_slot_is_free():
