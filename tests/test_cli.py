@@ -695,6 +695,60 @@ def test_verify_fails_on_resigned_changed_first_token_json(art, tmp_path):
     assert rep["message"].startswith("FAIL") and f"step {k}" in rep["message"]
 
 
+@pytest.fixture
+def forward_calls(monkeypatch):
+    """The token counts of each chunk of every engine step run in this process."""
+    from node.engine import Engine
+    calls, real = [], Engine.forward
+
+    def forward(self, chunks, *args, **kwargs):
+        calls.append([len(t) for _, t in chunks])
+        return real(self, chunks, *args, **kwargs)
+    monkeypatch.setattr(Engine, "forward", forward)
+    return calls
+
+
+def _unbounded_claim(art) -> dict:
+    """The attested request with max_tokens 2^31 - 1 in a 16-token context: left to run,
+    it would decode until the context is full."""
+    p = _payload_with(art, ("request", "max_tokens"), 2 ** 31 - 1)
+    p["request"]["n_ctx"] = 16
+    return p
+
+
+def test_verify_stops_at_the_first_divergent_step(art, tmp_path, forward_calls):
+    """A re-signed claim of an unbounded request whose step 0 is wrong fails at step 0
+    after the one engine step that yields it (the prefill), not after the whole re-execution."""
+    from verify.verifier import verify_file
+    p = _unbounded_claim(art)
+    real = p["output"]["tokens"][0]
+    p["output"]["tokens"][0] = real ^ 1
+    rep = verify_file(write(tmp_path / "f.bxa", envelope.seal(p, art.private_key())))
+    assert (rep.ok, rep.message) == (False, f"FAIL: first divergent step 0: expected token {real ^ 1}, got token {real}")
+    assert (rep.first_divergent_step, rep.expected_token, rep.got_token) == (0, real ^ 1, real)
+    assert forward_calls == [[len(p["request"]["prompt_tokens"])]]
+
+
+def test_verify_runs_one_step_past_a_claim_that_stops_early(art, tmp_path, forward_calls):
+    """A claim holding the true first 2 steps of an unbounded request, then stopping, is
+    re-executed for 3 steps: the 2 that match, and the one that shows it stopped early."""
+    from node.engine import Engine
+    from node.generate import steps
+    from node.gguf_model import default_model_path, load_model
+    from node.tokenizer import Tokenizer
+    from verify.verifier import verify_file
+    p = _unbounded_claim(art)
+    model = load_model(default_model_path())
+    run = steps(Engine(model, device="cpu", n_ctx=16), Tokenizer(model), p["request"])
+    true = [(g.tokens[-1], g.chain[-1]) for g, _ in zip(run, range(3))]
+    run.close()
+    p["output"].update(tokens=[t for t, _ in true[:2]], step_chain=[c for _, c in true[:2]], finish_reason="stop")
+    forward_calls.clear()
+    rep = verify_file(write(tmp_path / "s.bxa", envelope.seal(p, art.private_key())))
+    assert (rep.ok, rep.message) == (False, f"FAIL: first divergent step 2: expected token None, got token {true[2][0]}")
+    assert forward_calls == [[len(p["request"]["prompt_tokens"])], [1], [1]]
+
+
 # --------------------------------------------------------------------------
 # inspect
 
