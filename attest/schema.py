@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import re
 
 from node.errors import AttestationError
@@ -56,6 +57,11 @@ def _check(value, spec, path):
     elif spec == B32:
         if not (isinstance(value, bytes) and len(value) == 32):
             raise AttestationError(f"field {path} must be 32 bytes")
+    elif spec is float:
+        if not isinstance(value, float):
+            raise AttestationError(f"field {path} has the wrong type")
+        if value == 0.0 and math.copysign(1.0, value) < 0:
+            raise AttestationError(f"field {path} is -0.0, which is not canonical (0.0 is)")
     elif spec is int:
         if not isinstance(value, int) or isinstance(value, bool):
             raise AttestationError(f"field {path} must be an integer")
@@ -80,7 +86,8 @@ def _check_device(dev: dict, backend: str) -> None:
 
 def check_payload(p) -> None:
     """Raise :class:`AttestationError` unless ``p`` has exactly the documented
-    fields, types and known versions."""
+    fields, types and known versions; a float field holding -0.0 is refused (0.0
+    is its one canonical zero)."""
     _check(p, _SPEC, "")
     if p["format_version"] != FORMAT_VERSION:
         raise AttestationError(f"unknown payload format version {p['format_version']}")

@@ -363,6 +363,8 @@ def test_unknown_payload_versions(art, field, value, message):
     (("output", "finish_reason"), "done", "unknown finish reason"),
     (("request", "mode"), "batch", "unknown request mode"),
     (("request", "temperature"), 0, "wrong type"),
+    (("request", "temperature"), -0.0, "request.temperature is -0.0, which is not canonical"),
+    (("request", "top_p"), -0.0, "request.top_p is -0.0, which is not canonical"),
     (("request", "max_tokens"), True, "must be an integer"),
     (("model", "sha256"), "AB" * 32, "64 lowercase hex"),
     (("output", "digest"), b"\x00" * 31, "32 bytes"),

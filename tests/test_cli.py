@@ -231,6 +231,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--max-tokens", "-1"], "max tokens"),
     (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
     (["--prompt", "hi", "--temperature", "nan"], "temperature"),
+    (["--prompt", "hi", "--temperature=-0"], "temperature must be 0 or in [1e-06, 100], got -0.0"),
+    (["--prompt", "hi", "--temperature", "-0.0"], "temperature must be 0 or in [1e-06, 100], got -0.0"),
     (["--prompt", "hi", "--top-p", "0"], "top_p"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
     (["--prompt", "hi", "--top-k", "-1"], "top_k"),
@@ -897,3 +899,13 @@ def test_inspect_json_and_verify_refuse_a_signed_nan(art, tmp_path):
     r = bx(tmp_path, "verify", "nan.bxa")          # signed, so step 7 judges it: FAIL, exit 1
     assert r.returncode == 1 and r.stderr == "", (r.returncode, r.stdout, r.stderr)
     assert r.stdout.startswith("FAIL: the attested request cannot be rebuilt: temperature")
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_signed_negative_zero_is_not_canonical(art, tmp_path, field):
+    """-0.0 in a signed request (seal would refuse it: signed from the internals) is refused
+    at the schema by verify and inspect alike, exit 2: it is not the request 0.0 is."""
+    write(tmp_path / "z.bxa", sign_raw(_payload_with(art, ("request", field), -0.0), art.private_key()))
+    for args in (["verify", "z.bxa"], ["inspect", "z.bxa"]):
+        assert assert_input_error(bx(tmp_path, *args)) == (f"bitexact: error: z.bxa: field request.{field} is -0.0, "
+                                                            f"which is not canonical (0.0 is)")

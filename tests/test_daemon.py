@@ -225,6 +225,7 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (json.dumps({"prompt": "hi", "max_tokens": "ten"}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), 400, "temperature"),
     (json.dumps({"prompt": "hi", "temperature": -0.5}).encode(), 400, "temperature"),
+    (json.dumps({"prompt": "hi", "temperature": -0.0}).encode(), 400, "temperature"),
     (json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400, "top_p"),
     (json.dumps({"prompt": "hi", "stop": 5}).encode(), 400, "stop"),
     (json.dumps({"prompt": "hi", "stop": ["a", "x" * 4097]}).encode(), 400, "stop"),
@@ -258,6 +259,15 @@ def test_bad_completion_requests(daemon, body, status, param):
     code, err = daemon.post_raw("/v1/completions", body)
     assert code == status and set(err) == {"error"} and err["error"]["message"]
     assert err["error"]["param"] == param
+
+
+def test_a_chat_request_with_temperature_negative_zero_is_refused(daemon):
+    """-0.0 would be greedy like 0.0 but attested as another request (another digest): refused."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": -0.0}
+    assert json.dumps(body).endswith('"temperature": -0.0}')
+    code, err = daemon.post_raw("/v1/chat/completions", json.dumps(body).encode())
+    assert (code, err["error"]["param"]) == (400, "temperature"), err
+    assert err["error"]["message"] == "temperature must be 0 or in [1e-06, 100], got -0.0"
 
 
 @pytest.mark.parametrize("extra,param", [({"tool_choice": "auto"}, "tool_choice"),
