@@ -21,6 +21,7 @@ TIMESTAMP = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z"
 
 HEX64 = "hex64"
 B32 = "bin32"
+MESSAGE = {"role": str, "content": str}  # a chat message (node/generate.py _validate_messages)
 _SPEC = {
     "format_version": int,
     "contract_version": int,
@@ -86,8 +87,9 @@ def _check_device(dev: dict, backend: str) -> None:
 
 def check_payload(p) -> None:
     """Raise :class:`AttestationError` unless ``p`` has exactly the documented
-    fields, types and known versions; a float field holding -0.0 is refused (0.0
-    is its one canonical zero)."""
+    fields, types and known versions (``request.messages`` an array of
+    :data:`MESSAGE` maps in chat mode, nil in prompt mode); a float field
+    holding -0.0 is refused (0.0 is its one canonical zero)."""
     _check(p, _SPEC, "")
     if p["format_version"] != FORMAT_VERSION:
         raise AttestationError(f"unknown payload format version {p['format_version']}")
@@ -96,6 +98,11 @@ def check_payload(p) -> None:
     r, o = p["request"], p["output"]
     if r["mode"] not in ("prompt", "chat"):
         raise AttestationError(f"unknown request mode {r['mode']!r}")
+    if (r["messages"] is None) != (r["mode"] == "prompt"):
+        raise AttestationError(f"field request.messages must be {'nil' if r['mode'] == 'prompt' else 'an array'} "
+                               f"in {r['mode']} mode")
+    for i, m in enumerate(r["messages"] or ()):
+        _check(m, MESSAGE, f"request.messages[{i}]")
     if o["finish_reason"] not in ("stop", "length"):
         raise AttestationError(f"unknown finish reason {o['finish_reason']!r}")
     if len(o["step_chain"]) != len(o["tokens"]):

@@ -784,20 +784,38 @@ def test_inspect_prints_every_field(art, tmp_path):
     assert f"output.digest: '{art.payload['output']['digest'].hex()}'" in lines
 
 
-def test_inspect_quotes_keys_that_are_not_plain_names(art, tmp_path):
-    """A signed map key holding a newline, a terminal escape and a forged field
-    name is printed quoted (repr) on its own line: it can neither add a line
-    nor send control bytes to the terminal."""
+def test_inspect_and_verify_refuse_a_message_key_that_is_not_a_field(art, tmp_path):
+    """A signed chat message with a key holding a newline, a terminal escape and a forged
+    field name is refused at the schema (exit 2), in one escaped line: inspect shows
+    only the schema's field names."""
     evil = "cpu\nrequest.prompt: 'forged'\x1b[2K\r"
-    assert art.payload["request"]["messages"] is None     # one leaf, replaced by one below
-    write(tmp_path / "k.bxa", envelope.seal(_payload_with(art, ("request", "messages"), [{evil: "x"}]),
-                                            art.private_key()))
-    r = bx(tmp_path, "inspect", "k.bxa")
-    assert r.returncode == 0, r.stderr
-    assert "\x1b" not in r.stdout and "\r" not in r.stdout
-    assert "request.prompt: 'forged'" not in r.stdout.splitlines()
-    assert f"request.messages[0].{evil!r}: 'x'" in r.stdout.splitlines()
-    assert len(r.stdout.splitlines()) == 1 + len(list(_dict_leaves(art.payload)))
+    p = _payload_with(art, ("request", "mode"), "chat")
+    p["request"]["messages"] = [{evil: "x"}]
+    write(tmp_path / "k.bxa", sign_raw(p, art.private_key()))
+    for args in (["inspect", "k.bxa"], ["verify", "k.bxa"]):
+        r = bx(tmp_path, *args)
+        assert assert_input_error(r) == ("bitexact: error: k.bxa: field request.messages[0]: missing ['content', "
+                                         "'role'] unexpected [\"cpu\\nrequest.prompt: 'forged'\\x1b[2K\\r\"]")
+        assert r.stdout == "" and "\x1b" not in r.stderr and "\r" not in r.stderr
+
+
+@pytest.mark.parametrize("mode,messages,error", [
+    ("chat", [{"role": "user", "content": 1}], "field request.messages[0].content has the wrong type"),
+    ("chat", [{"role": "user", "content": "hi"}, ["user", "hi"]], "field request.messages[1] must be a map"),
+    ("chat", [{"role": "user"}], "field request.messages[0]: missing ['content'] unexpected []"),
+    ("chat", [{"role": "user", "content": "hi", "name": "x"}],
+     "field request.messages[0]: missing [] unexpected ['name']"),
+    ("chat", None, "field request.messages must be an array in chat mode"),
+    ("prompt", [{"role": "user", "content": "hi"}], "field request.messages must be nil in prompt mode"),
+])
+def test_verify_refuses_signed_messages_of_the_wrong_shape(art, tmp_path, mode, messages, error):
+    """The attested messages are checked at the schema like every other field: a bad
+    shape is a file that cannot be checked (exit 2), not a FAIL."""
+    p = _payload_with(art, ("request", "mode"), mode)
+    p["request"]["messages"] = messages
+    write(tmp_path / "m.bxa", sign_raw(p, art.private_key()))
+    for args in (["verify", "m.bxa"], ["inspect", "m.bxa"]):
+        assert assert_input_error(bx(tmp_path, *args)) == f"bitexact: error: m.bxa: {error}"
 
 
 def test_inspect_escapes_control_characters_in_lists(art, tmp_path):
