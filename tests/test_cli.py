@@ -927,3 +927,30 @@ def test_a_signed_negative_zero_is_not_canonical(art, tmp_path, field):
     for args in (["verify", "z.bxa"], ["inspect", "z.bxa"]):
         assert assert_input_error(bx(tmp_path, *args)) == (f"bitexact: error: z.bxa: field request.{field} is -0.0, "
                                                             f"which is not canonical (0.0 is)")
+
+
+@pytest.mark.parametrize("args,what", [
+    (["verify", "FIFO"], "attestation"),
+    (["inspect", "FIFO"], "attestation"),
+    (["verify", "ART", "--trusted-key", "FIFO"], "public key"),
+    (["run", "--key", "FIFO", "--prompt", "hi", "--device", "cpu"], "key"),
+    (["run", "--key", "KEY", "--passphrase-file", "FIFO", "--prompt", "hi", "--device", "cpu"], "passphrase file"),
+    (["keygen", "--out", "new.pem", "--passphrase-file", "FIFO"], "passphrase file"),
+])
+def test_a_fifo_input_is_refused_without_waiting_for_a_writer(art, tmp_path, args, what):
+    """Every file the CLI reads must be a regular file, as --attestation must be: a FIFO
+    with no writer is refused at once (exit 2) instead of blocking the command forever."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    args = [{"FIFO": str(fifo), "ART": art.bxa, "KEY": art.key}.get(a, a) for a in args]
+    line = assert_input_error(bx(cwd, *args, timeout=120))   # a blocked command fails here, by its timeout
+    assert line.endswith(f"cannot read {what} {fifo}: not a regular file"), line
+    assert listing(cwd) == []
+
+
+def test_a_device_input_is_refused(art, tmp_path):
+    """A device (here /dev/zero, which never ends) is refused like a FIFO, before it is read."""
+    assert assert_input_error(bx(tmp_path, "verify", "/dev/zero")) == ("bitexact: error: cannot read attestation "
+                                                                       "/dev/zero: not a regular file")

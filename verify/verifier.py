@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from attest.canonical import MAX_BYTES
 from attest.envelope import open_envelope
+from attest.readfile import read_regular
 from node.engine import Engine
 from node.errors import AttestationError, ModelError, RequestError
 from node.generate import Request, build_request, params_of, steps
@@ -31,10 +32,10 @@ class Report:
 
 
 def read_attestation(path: str, trusted_key: bytes | None = None) -> dict:
-    """Read and check ``path``; returns the payload. Raises :class:`AttestationError`."""
+    """Read and check ``path``; returns the payload. Raises :class:`AttestationError`
+    (also for a path that is not a regular file)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
+        data = read_regular(path, MAX_BYTES + 1)
     except OSError as e:
         raise AttestationError(f"cannot read attestation {path}: {e.strerror}") from None
     try:
