@@ -448,6 +448,33 @@ MALFORMED_HTTP = (
 )
 
 
+def test_a_bad_store_row_is_a_500_and_one_log_line(key, tmp_path):
+    """A row that is not the file its id names (an integer, other bytes) and one that is
+    but is no attestation: fetched as the file or as JSON, each is a JSON 500 with one
+    log line, no traceback."""
+    from test_store_and_models import plant
+    garbage = b"\x92\x01\x02"   # msgpack, but no attestation
+    rows = {"ab" * 32: 12345, "cd" * 32: b"other bytes", hashlib.sha256(garbage).hexdigest(): garbage}
+    d = Daemon(key, str(tmp_path / "data"))
+    try:
+        for att_id, blob in rows.items():
+            plant(tmp_path / "data", att_id, blob)
+            for accept in (None, "application/json"):
+                with pytest.raises(urllib.error.HTTPError) as e:
+                    d.get(f"/v1/attestations/{att_id}", accept)
+                assert e.value.code == 500
+                assert json.loads(e.value.read()) == {"error": {"message": "the stored attestation is damaged",
+                                                                "type": "server_error", "param": None, "code": None}}
+    finally:
+        assert d.stop() == 0
+    err = d.proc.stderr.read()
+    assert "Traceback" not in err, err[-3000:]
+    lines = err.splitlines()
+    assert len(lines) == 6 and all(" bitexact.daemon ERROR attestation " in line for line in lines), err[-3000:]
+    for why in ("holds int, not a blob", "SHA-256 is not its id", "not a bitexact attestation"):
+        assert sum(why in line for line in lines) == 2, err[-3000:]
+
+
 def test_malformed_http_gets_aiohttp_plain_text_400_and_node_keeps_serving(key, tmp_path):
     """aiohttp's parser answers these before any handler runs, in plain text (aiohttp has
     no public hook to make it JSON; README says so); it closes the connection, the node
