@@ -18,6 +18,39 @@ MAX_BYTES = 64 << 20
 MAX_DEPTH = 32  # arrays and maps nested at most this deep (attestations use fewer than 8 levels)
 MAX_ARRAY = 1 << 20  # items of one array (a token list holds at most a context's worth)
 MAX_MAP = 1 << 10  # keys of one map (attestation maps have fixed fields; fewer than 64)
+MAX_CONTAINERS = 1 << 16  # arrays and maps in all (a payload has 13, plus one per chat message)
+MAX_ITEMS = 1 << 22  # items of all arrays and maps together (a payload's token lists and step chain
+#                      hold fewer than three contexts' worth)
+
+
+class LimitError(AttestationError):
+    """Input holding more arrays and maps, or more items in them, than :func:`decode` allows."""
+
+
+class _Budget:
+    """Counts the arrays and maps msgpack builds (it calls these hooks as each one
+    ends) and stops the decoding once there are more than ``containers`` of them or
+    more than :data:`MAX_ITEMS` items in them: a file of many empty arrays costs
+    about 80 bytes of memory per byte, so these counts, not the file size, must
+    bound the work."""
+
+    def __init__(self, containers: int):
+        self.containers, self.items = containers, MAX_ITEMS
+
+    def _take(self, n: int) -> None:
+        self.containers -= 1
+        self.items -= n
+        if self.containers < 0 or self.items < 0:
+            raise LimitError("")
+
+    def array(self, items: list) -> list:
+        self._take(len(items))
+        return items
+
+    def map(self, pairs) -> dict:
+        d = _no_dup_pairs(pairs)
+        self._take(len(d))
+        return d
 
 
 def _sorted(obj):
@@ -60,16 +93,22 @@ def _depth(obj) -> int:
     return deepest
 
 
-def decode(data: bytes, what: str = "data"):
+def decode(data: bytes, what: str = "data", max_containers: int = MAX_CONTAINERS):
     """Decode canonical msgpack; raises :class:`AttestationError` on malformed,
     truncated, trailing or non-canonical input, nesting deeper than :data:`MAX_DEPTH`,
     or an array or map longer than :data:`MAX_ARRAY` / :data:`MAX_MAP` (refused at
-    its header, before its items are read)."""
+    its header, before its items are read), and :class:`LimitError` once more than
+    ``max_containers`` arrays and maps, or :data:`MAX_ITEMS` items in them, are
+    decoded (decoding stops there)."""
     if len(data) > MAX_BYTES:
         raise AttestationError(f"{what} is larger than {MAX_BYTES} bytes")
+    budget = _Budget(max_containers)
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, object_pairs_hook=_no_dup_pairs,
-                              max_array_len=MAX_ARRAY, max_map_len=MAX_MAP)
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, list_hook=budget.array,
+                              object_pairs_hook=budget.map, max_array_len=MAX_ARRAY, max_map_len=MAX_MAP)
+    except LimitError:
+        raise LimitError(f"{what} holds more than {max_containers} arrays and maps, "
+                         f"or more than {MAX_ITEMS} items in them") from None
     except msgpack.StackError:  # msgpack's own nesting limit (1024), past ours
         raise AttestationError(f"{what} nests arrays or maps deeper than {MAX_DEPTH} levels") from None
     except Exception as e:

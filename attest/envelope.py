@@ -20,6 +20,9 @@ from .keys import is_valid_public, key_id, public_raw
 MAGIC = "bitexact-attestation"
 FORMAT_VERSION = 1
 PAYLOAD_TYPE = "application/vnd.bitexact.attestation.v1+msgpack"
+# The envelope is one array of 5 scalars; decoding stops past this many arrays and maps
+# (the envelope and one in place of each element, which the check of that element names).
+ENVELOPE_CONTAINERS = 6
 
 
 def pae(payload_type: str, body: bytes) -> bytes:
@@ -45,7 +48,10 @@ def open_envelope(data: bytes, trusted_key: bytes | None = None) -> dict:
     bytes, then payload decoding and schema, then that the payload names the
     envelope's signer. Raises :class:`AttestationError`.
     """
-    env = canonical.decode(data, "attestation file")
+    try:
+        env = canonical.decode(data, "attestation file", max_containers=ENVELOPE_CONTAINERS)
+    except canonical.LimitError:
+        raise AttestationError("not a bitexact attestation") from None
     if not (isinstance(env, list) and len(env) == 5 and env[0] == MAGIC):
         raise AttestationError("not a bitexact attestation")
     _, version, body, pub, sig = env

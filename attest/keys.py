@@ -22,6 +22,7 @@ from nacl.bindings import crypto_core_ed25519_is_valid_point
 from node.errors import KeyError_
 
 from .atomic import atomic_write
+from .readfile import read_regular
 
 
 def key_id(public_raw: bytes) -> str:
@@ -50,12 +51,12 @@ MAX_PASSPHRASE = 1023  # the longest passphrase the PKCS#8 encryption of `crypto
 
 def read_passphrase(path: str | None) -> bytes | None:
     """Passphrase bytes from a file (one trailing newline stripped, at most
-    1023 bytes), or None. Raises :class:`KeyError_`."""
+    1023 bytes), or None. Raises :class:`KeyError_` when the file is unreadable,
+    not a regular file, empty or too long."""
     if path is None:
         return None
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_PASSPHRASE + 2)
+        data = read_regular(path, MAX_PASSPHRASE + 2)
     except OSError as e:
         raise KeyError_(f"cannot read passphrase file {path}: {e.strerror}") from None
     data = data[:-1] if data.endswith(b"\n") else data
@@ -115,14 +116,13 @@ def generate(path: str, passphrase: bytes | None = None) -> str:
 def load_private(path: str, passphrase: bytes | None = None, require_private_mode: bool = False) -> Ed25519PrivateKey:
     """Load an Ed25519 private key.
 
-    Raises :class:`KeyError_` when the file is unreadable, not an Ed25519 PKCS#8
+    Raises :class:`KeyError_` when the file is unreadable or not a regular file, not an Ed25519 PKCS#8
     key, encrypted and the passphrase is missing or wrong, or (with
     ``require_private_mode``) readable by group or others.
     """
     try:
         st = os.stat(path)
-        with open(path, "rb") as f:
-            data = f.read(1 << 16)
+        data = read_regular(path, 1 << 16)
     except OSError as e:
         raise KeyError_(f"cannot read key {path}: {e.strerror}") from None
     if require_private_mode and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -147,12 +147,11 @@ def load_private(path: str, passphrase: bytes | None = None, require_private_mod
 def load_public(path: str) -> bytes:
     """Raw 32-byte public key from a PEM SubjectPublicKeyInfo file.
 
-    Raises :class:`KeyError_` when unreadable, not Ed25519, or a weak key
+    Raises :class:`KeyError_` when unreadable or not a regular file, not Ed25519, or a weak key
     (:func:`is_valid_public`).
     """
     try:
-        with open(path, "rb") as f:
-            data = f.read(1 << 16)
+        data = read_regular(path, 1 << 16)
     except OSError as e:
         raise KeyError_(f"cannot read public key {path}: {e.strerror}") from None
     try:

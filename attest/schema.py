@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import re
 
 from node.errors import AttestationError
@@ -20,6 +21,7 @@ TIMESTAMP = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z"
 
 HEX64 = "hex64"
 B32 = "bin32"
+MESSAGE = {"role": str, "content": str}  # a chat message (node/generate.py _validate_messages)
 _SPEC = {
     "format_version": int,
     "contract_version": int,
@@ -56,6 +58,11 @@ def _check(value, spec, path):
     elif spec == B32:
         if not (isinstance(value, bytes) and len(value) == 32):
             raise AttestationError(f"field {path} must be 32 bytes")
+    elif spec is float:
+        if not isinstance(value, float):
+            raise AttestationError(f"field {path} has the wrong type")
+        if value == 0.0 and math.copysign(1.0, value) < 0:
+            raise AttestationError(f"field {path} is -0.0, which is not canonical (0.0 is)")
     elif spec is int:
         if not isinstance(value, int) or isinstance(value, bool):
             raise AttestationError(f"field {path} must be an integer")
@@ -80,7 +87,9 @@ def _check_device(dev: dict, backend: str) -> None:
 
 def check_payload(p) -> None:
     """Raise :class:`AttestationError` unless ``p`` has exactly the documented
-    fields, types and known versions."""
+    fields, types and known versions (``request.messages`` an array of
+    :data:`MESSAGE` maps in chat mode, nil in prompt mode); a float field
+    holding -0.0 is refused (0.0 is its one canonical zero)."""
     _check(p, _SPEC, "")
     if p["format_version"] != FORMAT_VERSION:
         raise AttestationError(f"unknown payload format version {p['format_version']}")
@@ -89,6 +98,11 @@ def check_payload(p) -> None:
     r, o = p["request"], p["output"]
     if r["mode"] not in ("prompt", "chat"):
         raise AttestationError(f"unknown request mode {r['mode']!r}")
+    if (r["messages"] is None) != (r["mode"] == "prompt"):
+        raise AttestationError(f"field request.messages must be {'nil' if r['mode'] == 'prompt' else 'an array'} "
+                               f"in {r['mode']} mode")
+    for i, m in enumerate(r["messages"] or ()):
+        _check(m, MESSAGE, f"request.messages[{i}]")
     if o["finish_reason"] not in ("stop", "length"):
         raise AttestationError(f"unknown finish reason {o['finish_reason']!r}")
     if len(o["step_chain"]) != len(o["tokens"]):

@@ -264,10 +264,9 @@ def cmd_inspect(args) -> int:
     def lit(x):  # strings as Python literals: control and format characters escaped, never sent raw
         return repr(x) if isinstance(x, str) else json.dumps(x)
 
-    def show(prefix, v):  # keys that are not plain names are quoted, like string values
+    def show(prefix, v):  # keys are the schema's field names (attest/schema.py): plain names
         if isinstance(v, dict):
             for k, x in v.items():
-                k = k if k.isidentifier() and k.isascii() else repr(k)
                 show(f"{prefix}.{k}" if prefix else k, x)
         elif isinstance(v, list) and v and isinstance(v[0], (dict, list)):
             for i, x in enumerate(v):

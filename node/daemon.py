@@ -26,11 +26,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from attest import canonical, keys
 from attest.digest import CONTRACT_VERSION
-from attest.envelope import seal
+from attest.envelope import open_envelope, seal
 
 from . import __version__
 from .engine import Engine
-from .errors import BitexactError, RequestError
+from .errors import AttestationError, BitexactError, RequestError
 from .generate import Request, build_request
 from .provenance import build_payload, device_record
 from .sampler import SamplingParams
@@ -281,6 +281,15 @@ class Node:
         sig = canonical.decode(blob)[4]
         return {"id": att_id, "output_digest": result.digest.hex(), "signature": sig.hex(), "key_id": self.key_id}
 
+    def stored(self, att_id: str) -> tuple[bytes, dict] | None:
+        """The attestation file stored under ``att_id`` and its payload, checked as
+        ``bitexact verify`` checks a file (None: no such attestation). Raises
+        ``sqlite3.Error`` for a row that is not the file its id names
+        (:meth:`AttestationStore.get`) and :class:`AttestationError` for a file that
+        is not a valid attestation."""
+        blob = self.store.get(att_id)
+        return None if blob is None else (blob, open_envelope(blob))
+
 
 def _headers(att: dict) -> dict:
     return {"X-Bitexact-Attestation-Id": att["id"], "X-Bitexact-Output-Digest": att["output_digest"],
@@ -448,12 +457,16 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         att_id = request.match_info["id"]
         if len(att_id) != 64 or any(c not in "0123456789abcdef" for c in att_id):
             return ApiError(404, "no such attestation", code="not_found").response()
-        blob = await asyncio.get_running_loop().run_in_executor(node.store_pool, node.store.get, att_id)
-        if blob is None:
+        try:
+            found = await asyncio.get_running_loop().run_in_executor(node.store_pool, node.stored, att_id)
+        except (sqlite3.Error, AttestationError) as e:   # the node's fault, not the client's
+            log.error("attestation %s cannot be served: the store holds a bad row: %s", att_id, e)
+            return ApiError(500, "the stored attestation is damaged", "server_error").response()
+        if found is None:
             return ApiError(404, "no such attestation", code="not_found").response()
+        blob, payload = found
         if "application/json" in request.headers.get("Accept", ""):
             env = canonical.decode(blob)
-            payload = canonical.decode(env[2])
             return web.json_response({"format": env[0], "format_version": env[1],
                                       "payload": canonical.plain(payload), "payload_msgpack_b64":
                                       base64.b64encode(env[2]).decode(), "public_key": env[3].hex(),

@@ -6,6 +6,7 @@ takes exactly the operator's path.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -262,8 +263,10 @@ class Generation:
         self.engine.release(self.seq)
 
 
-def generate(engine: Engine, tok: Tokenizer, record: dict) -> Result:
-    """Run the request ``record`` (from :func:`build_request`) alone on ``engine``.
+def steps(engine: Engine, tok: Tokenizer, record: dict) -> Iterator[Generation]:
+    """Run the request ``record`` (from :func:`build_request`) alone on ``engine``,
+    yielding its :class:`Generation` after each sampled token, so a caller can stop
+    it early (closing the iterator releases the sequence).
 
     Prefill in chunks of :data:`PREFILL_CHUNK`, then decode one token per
     step until EOS, a stop string, ``max_tokens`` or the context end.
@@ -276,6 +279,13 @@ def generate(engine: Engine, tok: Tokenizer, record: dict) -> Result:
             pos = g.due(len(chunk))
             if pos is not None:
                 g.take(engine.sample([(0, g.params, pos)], logits)[0], logits[0])
+                yield g
     finally:
         g.release()
+
+
+def generate(engine: Engine, tok: Tokenizer, record: dict) -> Result:
+    """Run the request ``record`` alone on ``engine`` to its end (:func:`steps`)."""
+    for g in steps(engine, tok, record):
+        pass
     return g.result()

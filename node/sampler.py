@@ -9,6 +9,7 @@ call order. docs/determinism.md, "Sampling", specifies every step below.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,10 +60,11 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise :class:`RequestError` for values outside their documented ranges:
-        temperature 0 or in [MIN_TEMPERATURE, 100], top_p in (0, 1],
-        top_k in [0, 2**31), seed in [0, 2**64)."""
+        temperature +0.0 or in [MIN_TEMPERATURE, 100] (-0.0 is refused: it would be
+        attested as another request than 0), top_p in (0, 1], top_k in [0, 2**31),
+        seed in [0, 2**64)."""
         t = self.temperature
-        if not (t == 0.0 or MIN_TEMPERATURE <= t <= 100.0):
+        if not ((t == 0.0 and math.copysign(1.0, t) > 0) or MIN_TEMPERATURE <= t <= 100.0):
             raise RequestError(f"temperature must be 0 or in [{MIN_TEMPERATURE}, 100], got {t}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sqlite3
 import threading
@@ -71,9 +72,20 @@ class AttestationStore:
                 raise
 
     def get(self, att_id: str) -> bytes | None:
+        """The attestation file stored under ``att_id``, or None. Raises
+        ``sqlite3.DatabaseError`` for a row whose blob is not bytes (SQLite keeps any
+        type in any column) or not the file its id names (its SHA-256), and
+        ``sqlite3.Error`` on I/O failure."""
         with self._lock:
             row = self._db.execute("SELECT blob FROM attestations WHERE id = ?", (att_id,)).fetchone()
-        return None if row is None else bytes(row[0])
+        if row is None:
+            return None
+        blob = row[0]
+        if not isinstance(blob, bytes):
+            raise sqlite3.DatabaseError(f"the row of attestation {att_id} holds {type(blob).__name__}, not a blob")
+        if hashlib.sha256(blob).hexdigest() != att_id:
+            raise sqlite3.DatabaseError(f"the row of attestation {att_id} holds a blob whose SHA-256 is not its id")
+        return blob
 
     def count(self) -> int:
         with self._lock:

@@ -363,6 +363,8 @@ def test_unknown_payload_versions(art, field, value, message):
     (("output", "finish_reason"), "done", "unknown finish reason"),
     (("request", "mode"), "batch", "unknown request mode"),
     (("request", "temperature"), 0, "wrong type"),
+    (("request", "temperature"), -0.0, "request.temperature is -0.0, which is not canonical"),
+    (("request", "top_p"), -0.0, "request.top_p is -0.0, which is not canonical"),
     (("request", "max_tokens"), True, "must be an integer"),
     (("model", "sha256"), "AB" * 32, "64 lowercase hex"),
     (("output", "digest"), b"\x00" * 31, "32 bytes"),
@@ -529,6 +531,73 @@ def test_array_and_map_lengths_are_bounded_at_their_header(kind, n, ok):
     else:
         with pytest.raises(AttestationError, match=f"exceeds max_{kind}_len"):
             canonical.decode(data)
+
+
+def _bomb(n: int) -> bytes:
+    """A canonical msgpack array of ``n`` arrays of 2^20 empty arrays: 1 MiB per array,
+    about 80 MiB of Python objects per array once decoded."""
+    return bytes([0x90 + n]) + (b"\xdd" + (1 << 20).to_bytes(4, "big") + b"\x90" * (1 << 20)) * n
+
+
+def _peak_bytes(fn) -> int:
+    """Peak memory (bytes) Python allocates while ``fn()`` runs."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_an_array_bomb_is_refused_before_it_is_built(art):
+    """Many empty arrays (one byte each) are refused once more than MAX_CONTAINERS arrays
+    and maps are decoded, as a file and as a payload signed by its key: the decoding
+    stops there instead of building them all (a few MiB instead of about 160 MiB)."""
+    bomb = _bomb(2)
+
+    def as_file():
+        with pytest.raises(AttestationError, match="^not a bitexact attestation$"):
+            envelope.open_envelope(bomb)
+
+    def as_payload():
+        with pytest.raises(AttestationError, match=f"^attestation payload holds more than {canonical.MAX_CONTAINERS} "
+                                                   f"arrays and maps, or more than {canonical.MAX_ITEMS} items in them$"):
+            envelope.open_envelope(sign_raw(None, art.private_key(), body=bomb))
+
+    assert _peak_bytes(as_file) < 1 << 20
+    assert _peak_bytes(as_payload) < 16 << 20
+
+
+@pytest.mark.parametrize("extra,ok", [(0, True), (1, False)])
+def test_arrays_and_maps_in_all_are_bounded(extra, ok):
+    """MAX_CONTAINERS arrays and maps in all decode (the outer array is one of them), one more does not."""
+    n = canonical.MAX_CONTAINERS - 2 + extra
+    data = canonical.encode([[] for _ in range(n)] + [{}])
+    if ok:
+        assert canonical.decode(data) == [[] for _ in range(n)] + [{}]
+    else:
+        with pytest.raises(canonical.LimitError, match="more than 65536 arrays and maps"):
+            canonical.decode(data)
+
+
+@pytest.mark.parametrize("extra,ok", [(0, True), (1, False)])
+def test_items_in_all_are_bounded(extra, ok):
+    """MAX_ITEMS items in all arrays and maps decode, one more does not (each array
+    here is within MAX_ARRAY); the outer array's 4 items count too."""
+    last = canonical.MAX_ARRAY - 4 + extra
+    data = canonical.encode([[None] * canonical.MAX_ARRAY] * 3 + [[None] * last])
+    if ok:
+        assert [len(a) for a in canonical.decode(data)] == [canonical.MAX_ARRAY] * 3 + [last]
+    else:
+        with pytest.raises(canonical.LimitError, match="more than 4194304 items"):
+            canonical.decode(data)
+
+
+def test_a_long_step_chain_decodes():
+    """A context's worth of steps (8192 links of 32 bytes and their tokens) is well within the limits."""
+    out = {"step_chain": [bytes([i % 256]) * 32 for i in range(8192)], "tokens": list(range(50000, 58192))}
+    assert canonical.decode(canonical.encode(out)) == out
 
 
 _scalars = (st.none() | st.booleans() | st.integers(-(2 ** 63), 2 ** 64 - 1)

@@ -231,6 +231,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--max-tokens", "-1"], "max tokens"),
     (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
     (["--prompt", "hi", "--temperature", "nan"], "temperature"),
+    (["--prompt", "hi", "--temperature=-0"], "temperature must be 0 or in [1e-06, 100], got -0.0"),
+    (["--prompt", "hi", "--temperature", "-0.0"], "temperature must be 0 or in [1e-06, 100], got -0.0"),
     (["--prompt", "hi", "--top-p", "0"], "top_p"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
     (["--prompt", "hi", "--top-k", "-1"], "top_k"),
@@ -695,6 +697,60 @@ def test_verify_fails_on_resigned_changed_first_token_json(art, tmp_path):
     assert rep["message"].startswith("FAIL") and f"step {k}" in rep["message"]
 
 
+@pytest.fixture
+def forward_calls(monkeypatch):
+    """The token counts of each chunk of every engine step run in this process."""
+    from node.engine import Engine
+    calls, real = [], Engine.forward
+
+    def forward(self, chunks, *args, **kwargs):
+        calls.append([len(t) for _, t in chunks])
+        return real(self, chunks, *args, **kwargs)
+    monkeypatch.setattr(Engine, "forward", forward)
+    return calls
+
+
+def _unbounded_claim(art) -> dict:
+    """The attested request with max_tokens 2^31 - 1 in a 16-token context: left to run,
+    it would decode until the context is full."""
+    p = _payload_with(art, ("request", "max_tokens"), 2 ** 31 - 1)
+    p["request"]["n_ctx"] = 16
+    return p
+
+
+def test_verify_stops_at_the_first_divergent_step(art, tmp_path, forward_calls):
+    """A re-signed claim of an unbounded request whose step 0 is wrong fails at step 0
+    after the one engine step that yields it (the prefill), not after the whole re-execution."""
+    from verify.verifier import verify_file
+    p = _unbounded_claim(art)
+    real = p["output"]["tokens"][0]
+    p["output"]["tokens"][0] = real ^ 1
+    rep = verify_file(write(tmp_path / "f.bxa", envelope.seal(p, art.private_key())))
+    assert (rep.ok, rep.message) == (False, f"FAIL: first divergent step 0: expected token {real ^ 1}, got token {real}")
+    assert (rep.first_divergent_step, rep.expected_token, rep.got_token) == (0, real ^ 1, real)
+    assert forward_calls == [[len(p["request"]["prompt_tokens"])]]
+
+
+def test_verify_runs_one_step_past_a_claim_that_stops_early(art, tmp_path, forward_calls):
+    """A claim holding the true first 2 steps of an unbounded request, then stopping, is
+    re-executed for 3 steps: the 2 that match, and the one that shows it stopped early."""
+    from node.engine import Engine
+    from node.generate import steps
+    from node.gguf_model import default_model_path, load_model
+    from node.tokenizer import Tokenizer
+    from verify.verifier import verify_file
+    p = _unbounded_claim(art)
+    model = load_model(default_model_path())
+    run = steps(Engine(model, device="cpu", n_ctx=16), Tokenizer(model), p["request"])
+    true = [(g.tokens[-1], g.chain[-1]) for g, _ in zip(run, range(3))]
+    run.close()
+    p["output"].update(tokens=[t for t, _ in true[:2]], step_chain=[c for _, c in true[:2]], finish_reason="stop")
+    forward_calls.clear()
+    rep = verify_file(write(tmp_path / "s.bxa", envelope.seal(p, art.private_key())))
+    assert (rep.ok, rep.message) == (False, f"FAIL: first divergent step 2: expected token None, got token {true[2][0]}")
+    assert forward_calls == [[len(p["request"]["prompt_tokens"])], [1], [1]]
+
+
 # --------------------------------------------------------------------------
 # inspect
 
@@ -728,20 +784,38 @@ def test_inspect_prints_every_field(art, tmp_path):
     assert f"output.digest: '{art.payload['output']['digest'].hex()}'" in lines
 
 
-def test_inspect_quotes_keys_that_are_not_plain_names(art, tmp_path):
-    """A signed map key holding a newline, a terminal escape and a forged field
-    name is printed quoted (repr) on its own line: it can neither add a line
-    nor send control bytes to the terminal."""
+def test_inspect_and_verify_refuse_a_message_key_that_is_not_a_field(art, tmp_path):
+    """A signed chat message with a key holding a newline, a terminal escape and a forged
+    field name is refused at the schema (exit 2), in one escaped line: inspect shows
+    only the schema's field names."""
     evil = "cpu\nrequest.prompt: 'forged'\x1b[2K\r"
-    assert art.payload["request"]["messages"] is None     # one leaf, replaced by one below
-    write(tmp_path / "k.bxa", envelope.seal(_payload_with(art, ("request", "messages"), [{evil: "x"}]),
-                                            art.private_key()))
-    r = bx(tmp_path, "inspect", "k.bxa")
-    assert r.returncode == 0, r.stderr
-    assert "\x1b" not in r.stdout and "\r" not in r.stdout
-    assert "request.prompt: 'forged'" not in r.stdout.splitlines()
-    assert f"request.messages[0].{evil!r}: 'x'" in r.stdout.splitlines()
-    assert len(r.stdout.splitlines()) == 1 + len(list(_dict_leaves(art.payload)))
+    p = _payload_with(art, ("request", "mode"), "chat")
+    p["request"]["messages"] = [{evil: "x"}]
+    write(tmp_path / "k.bxa", sign_raw(p, art.private_key()))
+    for args in (["inspect", "k.bxa"], ["verify", "k.bxa"]):
+        r = bx(tmp_path, *args)
+        assert assert_input_error(r) == ("bitexact: error: k.bxa: field request.messages[0]: missing ['content', "
+                                         "'role'] unexpected [\"cpu\\nrequest.prompt: 'forged'\\x1b[2K\\r\"]")
+        assert r.stdout == "" and "\x1b" not in r.stderr and "\r" not in r.stderr
+
+
+@pytest.mark.parametrize("mode,messages,error", [
+    ("chat", [{"role": "user", "content": 1}], "field request.messages[0].content has the wrong type"),
+    ("chat", [{"role": "user", "content": "hi"}, ["user", "hi"]], "field request.messages[1] must be a map"),
+    ("chat", [{"role": "user"}], "field request.messages[0]: missing ['content'] unexpected []"),
+    ("chat", [{"role": "user", "content": "hi", "name": "x"}],
+     "field request.messages[0]: missing [] unexpected ['name']"),
+    ("chat", None, "field request.messages must be an array in chat mode"),
+    ("prompt", [{"role": "user", "content": "hi"}], "field request.messages must be nil in prompt mode"),
+])
+def test_verify_refuses_signed_messages_of_the_wrong_shape(art, tmp_path, mode, messages, error):
+    """The attested messages are checked at the schema like every other field: a bad
+    shape is a file that cannot be checked (exit 2), not a FAIL."""
+    p = _payload_with(art, ("request", "mode"), mode)
+    p["request"]["messages"] = messages
+    write(tmp_path / "m.bxa", sign_raw(p, art.private_key()))
+    for args in (["verify", "m.bxa"], ["inspect", "m.bxa"]):
+        assert assert_input_error(bx(tmp_path, *args)) == f"bitexact: error: m.bxa: {error}"
 
 
 def test_inspect_escapes_control_characters_in_lists(art, tmp_path):
@@ -843,3 +917,40 @@ def test_inspect_json_and_verify_refuse_a_signed_nan(art, tmp_path):
     r = bx(tmp_path, "verify", "nan.bxa")          # signed, so step 7 judges it: FAIL, exit 1
     assert r.returncode == 1 and r.stderr == "", (r.returncode, r.stdout, r.stderr)
     assert r.stdout.startswith("FAIL: the attested request cannot be rebuilt: temperature")
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+def test_a_signed_negative_zero_is_not_canonical(art, tmp_path, field):
+    """-0.0 in a signed request (seal would refuse it: signed from the internals) is refused
+    at the schema by verify and inspect alike, exit 2: it is not the request 0.0 is."""
+    write(tmp_path / "z.bxa", sign_raw(_payload_with(art, ("request", field), -0.0), art.private_key()))
+    for args in (["verify", "z.bxa"], ["inspect", "z.bxa"]):
+        assert assert_input_error(bx(tmp_path, *args)) == (f"bitexact: error: z.bxa: field request.{field} is -0.0, "
+                                                            f"which is not canonical (0.0 is)")
+
+
+@pytest.mark.parametrize("args,what", [
+    (["verify", "FIFO"], "attestation"),
+    (["inspect", "FIFO"], "attestation"),
+    (["verify", "ART", "--trusted-key", "FIFO"], "public key"),
+    (["run", "--key", "FIFO", "--prompt", "hi", "--device", "cpu"], "key"),
+    (["run", "--key", "KEY", "--passphrase-file", "FIFO", "--prompt", "hi", "--device", "cpu"], "passphrase file"),
+    (["keygen", "--out", "new.pem", "--passphrase-file", "FIFO"], "passphrase file"),
+])
+def test_a_fifo_input_is_refused_without_waiting_for_a_writer(art, tmp_path, args, what):
+    """Every file the CLI reads must be a regular file, as --attestation must be: a FIFO
+    with no writer is refused at once (exit 2) instead of blocking the command forever."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    args = [{"FIFO": str(fifo), "ART": art.bxa, "KEY": art.key}.get(a, a) for a in args]
+    line = assert_input_error(bx(cwd, *args, timeout=120))   # a blocked command fails here, by its timeout
+    assert line.endswith(f"cannot read {what} {fifo}: not a regular file"), line
+    assert listing(cwd) == []
+
+
+def test_a_device_input_is_refused(art, tmp_path):
+    """A device (here /dev/zero, which never ends) is refused like a FIFO, before it is read."""
+    assert assert_input_error(bx(tmp_path, "verify", "/dev/zero")) == ("bitexact: error: cannot read attestation "
+                                                                       "/dev/zero: not a regular file")

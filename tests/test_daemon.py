@@ -225,6 +225,7 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (json.dumps({"prompt": "hi", "max_tokens": "ten"}).encode(), 400, "max_tokens"),
     (json.dumps({"prompt": "hi", "temperature": "hot"}).encode(), 400, "temperature"),
     (json.dumps({"prompt": "hi", "temperature": -0.5}).encode(), 400, "temperature"),
+    (json.dumps({"prompt": "hi", "temperature": -0.0}).encode(), 400, "temperature"),
     (json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400, "top_p"),
     (json.dumps({"prompt": "hi", "stop": 5}).encode(), 400, "stop"),
     (json.dumps({"prompt": "hi", "stop": ["a", "x" * 4097]}).encode(), 400, "stop"),
@@ -258,6 +259,15 @@ def test_bad_completion_requests(daemon, body, status, param):
     code, err = daemon.post_raw("/v1/completions", body)
     assert code == status and set(err) == {"error"} and err["error"]["message"]
     assert err["error"]["param"] == param
+
+
+def test_a_chat_request_with_temperature_negative_zero_is_refused(daemon):
+    """-0.0 would be greedy like 0.0 but attested as another request (another digest): refused."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": -0.0}
+    assert json.dumps(body).endswith('"temperature": -0.0}')
+    code, err = daemon.post_raw("/v1/chat/completions", json.dumps(body).encode())
+    assert (code, err["error"]["param"]) == (400, "temperature"), err
+    assert err["error"]["message"] == "temperature must be 0 or in [1e-06, 100], got -0.0"
 
 
 @pytest.mark.parametrize("extra,param", [({"tool_choice": "auto"}, "tool_choice"),
@@ -436,6 +446,33 @@ MALFORMED_HTTP = (
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",  # content-length
     b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n{"prompt": "hi"}\r\n\r\n',
 )
+
+
+def test_a_bad_store_row_is_a_500_and_one_log_line(key, tmp_path):
+    """A row that is not the file its id names (an integer, other bytes) and one that is
+    but is no attestation: fetched as the file or as JSON, each is a JSON 500 with one
+    log line, no traceback."""
+    from test_store_and_models import plant
+    garbage = b"\x92\x01\x02"   # msgpack, but no attestation
+    rows = {"ab" * 32: 12345, "cd" * 32: b"other bytes", hashlib.sha256(garbage).hexdigest(): garbage}
+    d = Daemon(key, str(tmp_path / "data"))
+    try:
+        for att_id, blob in rows.items():
+            plant(tmp_path / "data", att_id, blob)
+            for accept in (None, "application/json"):
+                with pytest.raises(urllib.error.HTTPError) as e:
+                    d.get(f"/v1/attestations/{att_id}", accept)
+                assert e.value.code == 500
+                assert json.loads(e.value.read()) == {"error": {"message": "the stored attestation is damaged",
+                                                                "type": "server_error", "param": None, "code": None}}
+    finally:
+        assert d.stop() == 0
+    err = d.proc.stderr.read()
+    assert "Traceback" not in err, err[-3000:]
+    lines = err.splitlines()
+    assert len(lines) == 6 and all(" bitexact.daemon ERROR attestation " in line for line in lines), err[-3000:]
+    for why in ("holds int, not a blob", "SHA-256 is not its id", "not a bitexact attestation"):
+        assert sum(why in line for line in lines) == 2, err[-3000:]
 
 
 def test_malformed_http_gets_aiohttp_plain_text_400_and_node_keeps_serving(key, tmp_path):

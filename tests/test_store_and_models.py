@@ -1,6 +1,8 @@
 """The attestation store survives a failed write and refuses foreign databases;
 malformed GGUF metadata and tensor shapes are refused with a ModelError."""
 
+import hashlib
+import os
 import sqlite3
 
 import pytest
@@ -15,8 +17,9 @@ def test_store_rolls_back_a_failed_put_and_keeps_working(tmp_path):
     store = AttestationStore(str(tmp_path))
     with pytest.raises(sqlite3.Error):
         store.put("a", "t", "d", object())            # not bindable: fails inside the transaction
-    store.put("b", "t", "d", b"blob")
-    assert store.get("b") == b"blob" and store.get("a") is None and store.count() == 1
+    b = hashlib.sha256(b"blob").hexdigest()
+    store.put(b, "t", "d", b"blob")
+    assert store.get(b) == b"blob" and store.get("a") is None and store.count() == 1
     store.close()
 
 
@@ -47,6 +50,45 @@ def test_store_refuses_a_table_of_another_shape(tmp_path):
     db.close()
     with pytest.raises(sqlite3.DatabaseError, match="not a bitexact store"):
         AttestationStore(str(tmp_path))
+
+
+def plant(folder, att_id: str, blob) -> None:
+    """Write a row straight into the store's database, as a damaged or foreign writer could."""
+    db = sqlite3.connect(os.path.join(folder, "attestations.sqlite3"), isolation_level=None)
+    db.execute("INSERT INTO attestations VALUES (?, 't', 'd', ?)", (att_id, blob))
+    db.close()
+
+
+GOOD = b"a signed attestation"
+BAD_ROWS = {   # the blob of a row, and what get says of it
+    "integer": (12345, "holds int, not a blob"),
+    "huge integer": (2 ** 62, "holds int, not a blob"),
+    "text": ("text", "holds str, not a blob"),
+    "real": (1.5, "holds float, not a blob"),
+    "other bytes": (b"not the file its id names", "holds a blob whose SHA-256 is not its id"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ROWS))
+def test_store_get_refuses_a_row_that_is_not_the_file_its_id_names(tmp_path, name):
+    """SQLite keeps any type in a BLOB column: a stored integer is refused, never made
+    into as many zero bytes, and bytes are the file only when their SHA-256 is the id."""
+    blob, why = BAD_ROWS[name]
+    store = AttestationStore(str(tmp_path))
+    att_id = hashlib.sha256(GOOD).hexdigest()
+    plant(tmp_path, att_id, blob)
+    with pytest.raises(sqlite3.DatabaseError) as e:
+        store.get(att_id)
+    assert str(e.value) == f"the row of attestation {att_id} {why}"
+    store.close()
+
+
+def test_store_get_returns_the_file_its_id_names(tmp_path):
+    store = AttestationStore(str(tmp_path))
+    att_id = hashlib.sha256(GOOD).hexdigest()
+    store.put(att_id, "t", "d", GOOD)
+    assert store.get(att_id) == GOOD and store.get("0" * 64) is None
+    store.close()
 
 
 @pytest.mark.parametrize("metadata,needle", [

@@ -1,8 +1,9 @@
 """Verify an attestation by re-executing its request (docs/attestation.md, "Verification").
 
 Order: signature over the stored bytes (and the trusted key), payload schema,
-model digest, re-tokenization of the prompt, then re-execution and a
-step-by-step comparison of the digest chain.
+model digest, re-tokenization of the prompt, then re-execution, each step
+compared with the attested digest chain as it is produced: the first
+divergent step ends it, so a claim is never run past its own length + 1.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from dataclasses import dataclass
 
 from attest.canonical import MAX_BYTES
 from attest.envelope import open_envelope
+from attest.readfile import read_regular
 from node.engine import Engine
 from node.errors import AttestationError, ModelError, RequestError
-from node.generate import Request, build_request, generate, params_of
+from node.generate import Request, build_request, params_of, steps
 from node.gguf_model import default_model_path, load_model
 from node.provenance import model_record
 from node.tokenizer import Tokenizer
@@ -30,10 +32,10 @@ class Report:
 
 
 def read_attestation(path: str, trusted_key: bytes | None = None) -> dict:
-    """Read and check ``path``; returns the payload. Raises :class:`AttestationError`."""
+    """Read and check ``path``; returns the payload. Raises :class:`AttestationError`
+    (also for a path that is not a regular file)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
+        data = read_regular(path, MAX_BYTES + 1)
     except OSError as e:
         raise AttestationError(f"cannot read attestation {path}: {e.strerror}") from None
     try:
@@ -73,19 +75,30 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
         diff = sorted(k for k in rec if rebuilt.get(k) != rec[k])
         return Report(False, payload, f"FAIL: the request does not re-encode to the attested record (fields {diff})")
     engine = Engine(model, device=device, n_ctx=rec["n_ctx"])
-    res = generate(engine, tok, rec)
     out = payload["output"]
-    want_chain, got_chain = out["step_chain"], res.step_chain
-    for i in range(max(len(want_chain), len(got_chain))):
-        w = want_chain[i] if i < len(want_chain) else None
-        g = got_chain[i] if i < len(got_chain) else None
-        if w != g:
-            et = out["tokens"][i] if i < len(out["tokens"]) else None
-            gt = res.tokens[i] if i < len(res.tokens) else None
-            what = (f"expected token {et}, got token {gt}" if et != gt else
-                    f"token {et} in both, but the step digest (logits, or the request it chains from) differs")
-            return Report(False, payload, f"FAIL: first divergent step {i}: {what}", i, et, gt)
+    want_chain, want_tokens = out["step_chain"], out["tokens"]
+    run = steps(engine, tok, rec)
+    try:   # each step as it is produced: at most one step past the claimed chain
+        for g in run:
+            i = len(g.chain) - 1
+            if i < len(want_chain) and g.chain[i] == want_chain[i]:
+                continue
+            return _divergence(payload, i, want_tokens[i] if i < len(want_tokens) else None, g.tokens[i])
+    finally:
+        run.close()
+    res = g.result()
+    if len(res.step_chain) < len(want_chain):   # the re-execution ended first
+        i = len(res.step_chain)
+        return _divergence(payload, i, want_tokens[i], None)
     if (res.digest != out["digest"] or res.text != out["text"] or res.finish_reason != out["finish_reason"]
             or res.tokens != out["tokens"]):
         return Report(False, payload, "FAIL: every step matched but the output digest, tokens, text or finish reason differs")
     return Report(True, payload, f"OK: {len(res.tokens)} tokens reproduced, output digest {res.digest.hex()}")
+
+
+def _divergence(payload: dict, i: int, et: int | None, gt: int | None) -> Report:
+    """The FAIL report for step ``i``, where the attested token was ``et`` and the re-executed one ``gt``
+    (None: that side has no step ``i``)."""
+    what = (f"expected token {et}, got token {gt}" if et != gt else
+            f"token {et} in both, but the step digest (logits, or the request it chains from) differs")
+    return Report(False, payload, f"FAIL: first divergent step {i}: {what}", i, et, gt)
