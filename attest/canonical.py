@@ -14,7 +14,9 @@ import msgpack
 
 from node.errors import AttestationError
 
-MAX_BYTES = 64 << 20
+MAX_BYTES = 16 << 20  # a 131 072-token generation's attestation takes under 8 MiB. The items of arrays
+#                       still being decoded are counted only as each array ends, so this size bounds
+#                       them: at worst about 20 bytes of memory per byte (3-byte strings)
 MAX_DEPTH = 32  # arrays and maps nested at most this deep (attestations use fewer than 8 levels)
 MAX_ARRAY = 1 << 20  # items of one array (a token list holds at most a context's worth)
 MAX_MAP = 1 << 10  # keys of one map (attestation maps have fixed fields; fewer than 64)

@@ -283,12 +283,12 @@ class Node:
 
     def stored(self, att_id: str) -> tuple[bytes, dict] | None:
         """The attestation file stored under ``att_id`` and its payload, checked as
-        ``bitexact verify`` checks a file (None: no such attestation). Raises
-        ``sqlite3.Error`` for a row that is not the file its id names
-        (:meth:`AttestationStore.get`) and :class:`AttestationError` for a file that
-        is not a valid attestation."""
+        ``bitexact verify --trusted-key`` with this node's key checks a file (None: no
+        such attestation). Raises ``sqlite3.Error`` for a row that is not the file its
+        id names (:meth:`AttestationStore.get`) and :class:`AttestationError` for a
+        file that is not a valid attestation signed by this node."""
         blob = self.store.get(att_id)
-        return None if blob is None else (blob, open_envelope(blob))
+        return None if blob is None else (blob, open_envelope(blob, trusted_key=self.public_raw))
 
 
 def _headers(att: dict) -> dict:
@@ -467,10 +467,14 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         blob, payload = found
         if "application/json" in request.headers.get("Accept", ""):
             env = canonical.decode(blob)
-            return web.json_response({"format": env[0], "format_version": env[1],
-                                      "payload": canonical.plain(payload), "payload_msgpack_b64":
-                                      base64.b64encode(env[2]).decode(), "public_key": env[3].hex(),
-                                      "signature": env[4].hex()})
+            try:   # RFC 8259 has no NaN or infinity; the node never signs one, a planted row might
+                body = json.dumps({"format": env[0], "format_version": env[1], "payload": canonical.plain(payload),
+                                   "payload_msgpack_b64": base64.b64encode(env[2]).decode(),
+                                   "public_key": env[3].hex(), "signature": env[4].hex()}, allow_nan=False)
+            except ValueError as e:
+                log.error("attestation %s cannot be served as JSON: %s", att_id, e)
+                return ApiError(500, "the stored attestation is damaged", "server_error").response()
+            return web.Response(text=body, content_type="application/json")
         return web.Response(body=blob, content_type="application/msgpack",
                             headers={"Content-Disposition": f'attachment; filename="{att_id}.bxa"'})
 

@@ -203,15 +203,20 @@ class Scheduler:
             return
         except Exception:   # noqa: BLE001 - a bug: find the requests that hit it
             log.exception("an engine step of %d requests failed; running them one by one", len(ready))
-            alone = []
-            for job, c in zip(ready, chunks):
+            for job, c in zip(ready, chunks):   # each its own step: its draw reads its own logits
                 try:
-                    alone.append((job, c, self.engine.forward([(job.gen.seq, c)])[0]))
+                    out = self.engine.forward([(job.gen.seq, c)])
                 except Exception as e:   # noqa: BLE001
                     self._drop(job, _as_request_error(e))
-            if not alone:
-                return
-            ready, chunks, outs = (list(t) for t in zip(*alone))
+                    continue
+                self._draw_and_emit([job], [c], out)
+            return
+        self._draw_and_emit(ready, chunks, outs)
+
+    def _draw_and_emit(self, ready: list[Job], chunks: list[list[int]], outs: list) -> None:
+        """Draw the tokens of the last engine step (``outs``: its logits, a row per
+        job; on the CUDA engine seeded rows are drawn from the step's device logits,
+        so this follows that very step) and pass them to their requests."""
         due = [(i, job.gen.due(len(c))) for i, (job, c) in enumerate(zip(ready, chunks))]
         picks = [(i, ready[i].gen.params, pos) for i, pos in due if pos is not None]
         try:

@@ -569,6 +569,29 @@ def test_an_array_bomb_is_refused_before_it_is_built(art):
     assert _peak_bytes(as_payload) < 16 << 20
 
 
+def test_items_of_open_arrays_are_bounded_by_the_size_limit():
+    """Items count only once their array ends, so arrays nested in the last item of
+    arrays of 2-character strings hold all their items open at once: the size limit
+    bounds them. A file as large as allowed (16 MiB) costs under 400 MiB of memory
+    (at 64 MiB it cost 1.6 GiB) and is refused; one byte more is refused before decoding."""
+    item = canonical.encode("ab")
+    n = canonical.MAX_ARRAY - 1
+    data, level = b"", 0
+    while len(data) + 5 + n * len(item) < canonical.MAX_BYTES - 64:   # array32 headers, innermost last
+        level += 1
+        data += b"\xdd" + (n + 1).to_bytes(4, "big") + item * n
+    data += canonical.encode(["ab"] * ((canonical.MAX_BYTES - 64 - len(data)) // len(item)))
+    assert level >= 4 and canonical.MAX_BYTES - 128 < len(data) <= canonical.MAX_BYTES
+
+    def refused():
+        with pytest.raises(AttestationError, match="^not a bitexact attestation$"):
+            envelope.open_envelope(data)
+
+    assert _peak_bytes(refused) < 400 << 20
+    with pytest.raises(AttestationError, match=f"larger than {canonical.MAX_BYTES} bytes"):
+        canonical.decode(bytes(canonical.MAX_BYTES + 1))
+
+
 @pytest.mark.parametrize("extra,ok", [(0, True), (1, False)])
 def test_arrays_and_maps_in_all_are_bounded(extra, ok):
     """MAX_CONTAINERS arrays and maps in all decode (the outer array is one of them), one more does not."""

@@ -475,6 +475,48 @@ def test_a_bad_store_row_is_a_500_and_one_log_line(key, tmp_path):
         assert sum(why in line for line in lines) == 2, err[-3000:]
 
 
+def test_a_stored_attestation_not_signed_by_the_node_or_not_json_is_a_500(key, tmp_path):
+    """A row holding a valid attestation signed by another key is damaged (a 500 in both
+    forms); one signed by the node's own key but holding a NaN is served as the file,
+    and its JSON form is a 500 (RFC 8259 has no NaN). One log line each, no traceback."""
+    import math
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from attest import envelope, keys
+    from test_store_and_models import plant
+    d = Daemon(key, str(tmp_path / "data"))
+    try:
+        r = d.client.completions.with_raw_response.create(model=d.model, prompt="Hi", max_tokens=1)
+        good = d.get(f"/v1/attestations/{r.headers['X-Bitexact-Attestation-Id']}").read()
+        payload = envelope.open_envelope(good)
+        other_key = Ed25519PrivateKey.generate()
+        pub = keys.public_raw(other_key)
+        other = envelope.seal(dict(payload, signer={"public_key": pub, "key_id": keys.key_id(pub)}), other_key)
+        nan = envelope.seal(dict(payload, request=dict(payload["request"], temperature=math.nan)),
+                            keys.load_private(key))
+        ids = {name: hashlib.sha256(blob).hexdigest() for name, blob in (("other", other), ("nan", nan))}
+        plant(tmp_path / "data", ids["other"], other)
+        plant(tmp_path / "data", ids["nan"], nan)
+        for accept in (None, "application/json"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                d.get(f"/v1/attestations/{ids['other']}", accept)
+            assert e.value.code == 500 and json.loads(e.value.read())["error"]["message"] == \
+                "the stored attestation is damaged"
+        assert d.get(f"/v1/attestations/{ids['nan']}").read() == nan
+        with pytest.raises(urllib.error.HTTPError) as e:
+            d.get(f"/v1/attestations/{ids['nan']}", "application/json")
+        assert e.value.code == 500 and json.loads(e.value.read())["error"]["message"] == \
+            "the stored attestation is damaged"
+    finally:
+        assert d.stop() == 0
+    err = d.proc.stderr.read()
+    assert "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if " ERROR " in ln]
+    assert len(lines) == 3, err[-3000:]
+    assert sum("not by the trusted key" in ln for ln in lines) == 2 and "cannot be served as JSON" in lines[2]
+
+
 def test_malformed_http_gets_aiohttp_plain_text_400_and_node_keeps_serving(key, tmp_path):
     """aiohttp's parser answers these before any handler runs, in plain text (aiohttp has
     no public hook to make it JSON; README says so); it closes the connection, the node

@@ -262,7 +262,8 @@ def serve_then_one_more(sched, recs, again, wait):
 def test_a_bug_in_a_step_fails_only_the_requests_that_hit_it(caplog):
     """A bug (not a BitexactError) in the forward pass or the draw fails only the
     requests that hit it when run alone; the requests stepped beside them end
-    with their solo digests, and the node serves the next request."""
+    with their solo digests (each rerun request drawn from its own step's logits),
+    and the node serves the next request."""
     from node.gguf_model import default_model_path
     from node.generate import Request, build_request, generate
     from node.sampler import SamplingParams
@@ -271,29 +272,31 @@ def test_a_bug_in_a_step_fails_only_the_requests_that_hit_it(caplog):
     model = load_model(default_model_path())
     tok = Tokenizer(model)
     reqs = [Request(prompt="Zebras and yaks.", max_tokens=3), Request(prompt="Name a colour.", max_tokens=3,
-            params=SamplingParams(0.8, 0, 1.0, 666)), Request(prompt="Name a colour.", max_tokens=3),
-            Request(prompt="Count to three.", max_tokens=3, params=SamplingParams(0.8, 40, 0.9, 7))]
+            params=SamplingParams(0.8, 0, 1.0, 666)), Request(prompt="Count to three.", max_tokens=3,
+            params=SamplingParams(1.0, 0, 1.0, 7)), Request(prompt="The capital of France is", max_tokens=3)]
     recs = [build_request(r, tok, 256) for r in reqs]
     marker = next(t for t in recs[0]["prompt_tokens"] if all(t not in r["prompt_tokens"] for r in recs[1:]))
 
     class Buggy:
-        """The engine, except that a forward pass holding ``marker`` and a draw for seed 666 raise."""
+        """The engine, except that a forward pass holding ``marker`` and a draw for seed
+        666 raise. Like the CUDA engine it draws from the last forward pass's logits
+        (row indices wrapping, as CuPy's do), not from the ones it is given."""
         def __init__(self, engine):
-            self.engine, self.steps = engine, 0
+            self.engine, self.last = engine, None
 
         def __getattr__(self, name):
             return getattr(self.engine, name)
 
         def forward(self, chunks, all_logits=False):
-            self.steps += 1
             if any(marker in c for _, c in chunks):
                 raise RuntimeError("planted bug in the forward pass")
-            return self.engine.forward(chunks, all_logits)
+            self.last = self.engine.forward(chunks, all_logits)
+            return self.last
 
         def sample(self, picks, logits):
             if any(p.seed == 666 for _, p, _ in picks):
                 raise ZeroDivisionError("planted bug in the draw")
-            return self.engine.sample(picks, logits)
+            return self.engine.sample(picks, [self.last[r % len(self.last)] for r in range(len(logits))])
 
     want = {i: generate(Engine(model, n_ctx=256), tok, recs[i]).digest for i in (2, 3)}
     ends = serve_then_one_more(Scheduler(Buggy(Engine(model, n_ctx=256)), tok, max_batch=4), recs, recs[2], 300)
