@@ -33,11 +33,17 @@ def pae(payload_type: str, body: bytes) -> bytes:
 
 
 def seal(payload: dict, key: Ed25519PrivateKey) -> bytes:
-    """Encode ``payload`` canonically, sign it and return the envelope bytes."""
+    """Encode ``payload`` canonically, sign it and return the envelope bytes.
+    Raises :class:`AttestationError` when they would be larger than
+    :data:`attest.canonical.MAX_BYTES`, which no reader accepts."""
     schema.check_payload(payload)
     body = canonical.encode(payload)
     sig = key.sign(pae(PAYLOAD_TYPE, body))
-    return canonical.encode([MAGIC, FORMAT_VERSION, body, public_raw(key), sig])
+    blob = canonical.encode([MAGIC, FORMAT_VERSION, body, public_raw(key), sig])
+    if len(blob) > canonical.MAX_BYTES:
+        raise AttestationError(f"the attestation would take {len(blob)} bytes, more than the "
+                               f"{canonical.MAX_BYTES} a reader accepts: shorten the request or its output")
+    return blob
 
 
 def open_envelope(data: bytes, trusted_key: bytes | None = None) -> dict:

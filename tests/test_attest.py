@@ -322,6 +322,18 @@ def test_swapping_in_another_key_is_rejected(art):
         envelope.open_envelope(forged)
 
 
+def test_an_attestation_no_reader_accepts_is_never_sealed(art, monkeypatch):
+    """seal refuses to write an attestation larger than MAX_BYTES (a long enough
+    output would make one); at the limit it still writes it."""
+    blob = envelope.seal(art.payload, art.private_key())
+    monkeypatch.setattr(canonical, "MAX_BYTES", len(blob))
+    assert envelope.open_envelope(envelope.seal(art.payload, art.private_key())) == art.payload
+    monkeypatch.setattr(canonical, "MAX_BYTES", len(blob) - 1)
+    with pytest.raises(AttestationError, match=f"^the attestation would take {len(blob)} bytes, more than the "
+                                               f"{len(blob) - 1} a reader accepts: shorten the request or its output$"):
+        envelope.seal(art.payload, art.private_key())
+
+
 def test_resealed_by_the_same_key_passes_the_signature_check(art):
     p = copy.deepcopy(art.payload)
     p["output"]["tokens"][1] += 1
