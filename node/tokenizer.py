@@ -150,7 +150,11 @@ class Tokenizer:
                              f"(rows of token_embd.weight); they must match")
         self.eos_id = int(self._enc.token_eos())
         self.bos_id = int(self._enc.token_bos())
-        pieces = self._special = _pieces(llama_cpp, self._enc.vocab, n, special=True)   # control tokens as text
+        pieces = _pieces(llama_cpp, self._enc.vocab, n, special=True)   # control tokens as their own text
+        # a chat template's bos_token and eos_token: those tokens' own texts (e.g. "<s>"), which
+        # encode(special=True) parses back; empty for a vocabulary without one
+        self._bos_text, self._eos_text = (pieces[i].decode("utf-8", "replace") if 0 <= i < n else ""
+                                          for i in (self.bos_id, self.eos_id))
         self._text = _pieces(llama_cpp, self._enc.vocab, n, special=False)   # what decode joins
         self.max_piece_bytes = max(1, max(map(len, pieces)))  # no token stands for more bytes of text
         types = model.metadata.get("tokenizer.ggml.token_type") or []
@@ -214,10 +218,8 @@ class Tokenizer:
         tpl = self.model.metadata.get("tokenizer.chat_template")
         if not tpl:
             raise RequestError("this model has no tokenizer.chat_template; use --prompt")
-        def text(i):  # a control token's own text (e.g. "<s>"), which encode(special=True) parses back
-            return self._special[i].decode("utf-8", "replace") if 0 <= i < len(self._special) else ""
         return render_template(tpl, messages=messages, add_generation_prompt=True,
-                               bos_token=text(self.bos_id), eos_token=text(self.eos_id))
+                               bos_token=self._bos_text, eos_token=self._eos_text)
 
 
 class TextStream:
