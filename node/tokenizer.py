@@ -31,7 +31,7 @@ def _silent_log(llama_cpp):
 
 def _load_vocab(llama_cpp, path: str):
     """The GGUF's vocabulary through llama.cpp (a ``vocab_only`` llama_model);
-    raises :class:`ModelError`.
+    raises :class:`ModelError`, also for a path that is not UTF-8 (llama.cpp takes UTF-8).
 
     llama-cpp-python's model wrapper is used rather than its ``Llama`` class,
     which would also compile every chat template in the file with its own
@@ -41,6 +41,11 @@ def _load_vocab(llama_cpp, path: str):
     global _backend_ready
     from llama_cpp import _internals
 
+    try:   # llama-cpp-python passes the path to llama.cpp as UTF-8
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ModelError(f"cannot load tokenizer from {path}: llama.cpp, which reads it, cannot open a path "
+                         "that is not UTF-8 (rename the file or a folder above it)") from None
     saved = os.dup(2)
     try:  # llama.cpp prints loader chatter on fd 2
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -64,6 +64,17 @@ def test_the_vocabulary_must_match_the_model(tmp_path):
         Tokenizer(model)
 
 
+def test_a_model_path_that_is_not_utf8_is_one_model_error(tmp_path):
+    """load_model opens any path the OS holds; llama.cpp, which reads the vocabulary,
+    takes UTF-8 only: a ModelError saying so, not the codec's message."""
+    import os
+    path = os.path.join(str(tmp_path), os.fsdecode(b"\xffsmol.gguf"))
+    os.symlink(default_model_path(), path)
+    model = load_model(path)
+    with pytest.raises(ModelError, match="cannot open a path that is not UTF-8"):
+        Tokenizer(model)
+
+
 def _vocab_case(case: str) -> dict:
     """Metadata of the default model changed so that llama.cpp would abort the
     process reading or using the vocabulary (or index past it)."""
