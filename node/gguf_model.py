@@ -11,6 +11,7 @@ follow ggml's ``ggml-common.h`` (the GGUF specification's reference).
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -161,9 +162,9 @@ def load_model(path: str) -> Model:
             raise ModelError(f"GGUF metadata key llama.{key} is not a number: {v!r}")
         try:
             v = kind(v)
-        except (TypeError, ValueError):
-            raise ModelError(f"GGUF metadata key llama.{key} is not a number: {v!r}") from None
-        if not (np.isfinite(v) and ok(v)):
+        except (TypeError, ValueError, OverflowError):   # OverflowError: an infinite float for an integer key
+            raise ModelError(f"GGUF metadata key llama.{key} is not a finite number: {v!r}") from None
+        if not (math.isfinite(v) and ok(v)):   # math: np.isfinite refuses integers past 2**64
             raise ModelError(f"GGUF metadata key llama.{key} has an invalid value {v!r}")
         return v
 

@@ -56,8 +56,8 @@ def _render_bounded(source: str, context: dict) -> str:
     """Compile and render ``source`` with ``context``, stopped after
     :data:`TEMPLATE_STEPS` Python line events (jinja2 compiles a template to
     Python, so every loop iteration of it is counted); raises
-    ``jinja2.TemplateError`` then, and when the text is longer than
-    :data:`TEMPLATE_OUTPUT`."""
+    ``jinja2.TemplateError`` then, when the text is longer than
+    :data:`TEMPLATE_OUTPUT`, and when it is not valid Unicode (a lone surrogate)."""
     left = [TEMPLATE_STEPS]
 
     def trace(frame, event, arg):
@@ -76,6 +76,10 @@ def _render_bounded(source: str, context: dict) -> str:
         sys.settrace(saved)
     if len(text) > TEMPLATE_OUTPUT:
         raise jinja2.TemplateError(f"the template renders more than {TEMPLATE_OUTPUT} characters")
+    try:   # a string literal such as '\\ud800' makes a lone surrogate, which no prompt may hold
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise jinja2.TemplateError("the template renders text that is not valid Unicode (a lone surrogate)") from None
     return text
 
 

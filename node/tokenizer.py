@@ -31,7 +31,7 @@ def _silent_log(llama_cpp):
 
 def _load_vocab(llama_cpp, path: str):
     """The GGUF's vocabulary through llama.cpp (a ``vocab_only`` llama_model);
-    raises :class:`ModelError`.
+    raises :class:`ModelError`, also for a path that is not UTF-8 (llama.cpp takes UTF-8).
 
     llama-cpp-python's model wrapper is used rather than its ``Llama`` class,
     which would also compile every chat template in the file with its own
@@ -41,6 +41,11 @@ def _load_vocab(llama_cpp, path: str):
     global _backend_ready
     from llama_cpp import _internals
 
+    try:   # llama-cpp-python passes the path to llama.cpp as UTF-8
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ModelError(f"cannot load tokenizer from {path}: llama.cpp, which reads it, cannot open a path "
+                         "that is not UTF-8 (rename the file or a folder above it)") from None
     saved = os.dup(2)
     try:  # llama.cpp prints loader chatter on fd 2
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -92,8 +97,9 @@ def _check_vocab(model: Model) -> None:
     C++ exception, seen with llama-cpp-python 0.3.36), before it reads the file:
     a tokenizer type other than byte-level BPE (``gpt2``) or SentencePiece
     (``llama``); token texts that are not distinct strings without NUL; token
-    types that do not match the tokens, or byte tokens outside SentencePiece; a
-    SentencePiece vocabulary without all 256 byte tokens ``<0x00>`` .. ``<0xFF>``
+    types that are not a list of integers or do not match the tokens, or byte
+    tokens outside SentencePiece; a SentencePiece vocabulary without all 256
+    byte tokens ``<0x00>`` .. ``<0xFF>``
     (its fallback for text outside the vocabulary); a BOS or EOS token to be
     added whose id names no token. Keys: GGUF spec, "Tokenizer"."""
     md, path = model.metadata, model.path
@@ -110,6 +116,8 @@ def _check_vocab(model: Model) -> None:
     if any("\0" in t for t in tokens):
         raise ModelError(f"{path}: a token text in tokenizer.ggml.tokens holds a NUL character")
     types = md.get("tokenizer.ggml.token_type") or []
+    if not (isinstance(types, list) and all(isinstance(t, int) for t in types)):
+        raise ModelError(f"{path}: tokenizer.ggml.token_type is not a list of integers")
     if types and len(types) != len(tokens):
         raise ModelError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     if kind == "gpt2" and BYTE_TYPE in types:

@@ -153,7 +153,8 @@ def test_engine_rejects_a_bad_context_length(n_ctx):
                                       "{{ ('x' * 1000000)|replace('x', 'x' * 1000000) }}",
                                       "{{ '{:>3000000000}'.format('x') }}",
                                       "{% for i in range(17) %}{{ 'x' * 1000000 }}{% endfor %}",
-                                      "{{ raise_exception('line one\\nsecond \\x1b[31mRED') }}"])
+                                      "{{ raise_exception('line one\\nsecond \\x1b[31mRED') }}",
+                                      "{{ '\\ud800' }}{{ messages[0]['content'] }}"])   # a lone surrogate
 def test_a_failing_chat_template_is_one_request_error(template):
     """The chat template is code from the model file: any failure, including
     the sandbox refusing an attribute, running out of steps, of the worker's

@@ -105,6 +105,9 @@ def test_store_get_returns_the_file_its_id_names(tmp_path):
     ({"general.architecture": b"\xffllama"}, "general.architecture holds a string that is not UTF-8"),
     ({"llama.feed_forward_length": 100}, "hyperparameters say 100x64"),
     ({"llama.embedding_length": 96}, "head layout"),
+    ({"llama.block_count": float("inf")}, "block_count is not a finite number: inf"),
+    ({"llama.context_length": float("inf")}, "context_length is not a finite number: inf"),
+    ({"llama.embedding_length": 1e30}, "head layout"),   # an integer past 2**64: no numpy TypeError
 ])
 def test_malformed_metadata_is_a_model_error(tmp_path, metadata, needle):
     path = write_model(str(tmp_path / "bad.gguf"), "tiny", "Q8_0", metadata=metadata)

@@ -25,7 +25,7 @@ def _copy_with(src: str, dst: str, extra_row: bool = False, template: str | None
     """The GGUF at ``src`` with one more row in token_embd.weight (a copy of its
     last), another ``tokenizer.chat_template``, the float tensors named in
     ``fill`` set to one value each, and/or the metadata ``keys`` given other
-    values of their types."""
+    values of their types (or of another scalar type: a ``(value, GGUFValueType)`` pair)."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     r = GGUFReader(src)
@@ -37,6 +37,8 @@ def _copy_with(src: str, dst: str, extra_row: bool = False, template: str | None
         vt = f.types[0]
         value = template if key == "tokenizer.chat_template" and template is not None else f.contents()
         value = (keys or {}).get(key, value)
+        if isinstance(value, tuple):
+            value, vt = value
         w.add_key_value(key, value, vt, f.types[1] if vt == GGUFValueType.ARRAY else None)
     for t in r.tensors:
         data = np.array(t.data)
@@ -62,10 +64,21 @@ def test_the_vocabulary_must_match_the_model(tmp_path):
         Tokenizer(model)
 
 
+def test_a_model_path_that_is_not_utf8_is_one_model_error(tmp_path):
+    """load_model opens any path the OS holds; llama.cpp, which reads the vocabulary,
+    takes UTF-8 only: a ModelError saying so, not the codec's message."""
+    import os
+    path = os.path.join(str(tmp_path), os.fsdecode(b"\xffsmol.gguf"))
+    os.symlink(default_model_path(), path)
+    model = load_model(path)
+    with pytest.raises(ModelError, match="cannot open a path that is not UTF-8"):
+        Tokenizer(model)
+
+
 def _vocab_case(case: str) -> dict:
     """Metadata of the default model changed so that llama.cpp would abort the
     process reading or using the vocabulary (or index past it)."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
     fields = GGUFReader(default_model_path()).fields
     tokens = fields["tokenizer.ggml.tokens"].contents()
     types = fields["tokenizer.ggml.token_type"].contents()
@@ -81,6 +94,7 @@ def _vocab_case(case: str) -> dict:
             "byte_type": {"tokenizer.ggml.token_type": types},
             "types_long": {"tokenizer.ggml.token_type": types + [3]},
             "types_short": {"tokenizer.ggml.token_type": types[:-1]},
+            "types_scalar": {"tokenizer.ggml.token_type": (1, GGUFValueType.INT32)},
             "bos": {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 60000}}[case]
 
 
@@ -93,6 +107,7 @@ def _vocab_case(case: str) -> dict:
     ("byte_type", "a token of type BYTE"),
     ("types_long", "token_type has 49153 entries for 49152 tokens"),
     ("types_short", "token_type has 49151 entries for 49152 tokens"),
+    ("types_scalar", "tokenizer.ggml.token_type is not a list of integers"),
     ("bos", "add_bos_token is set but tokenizer.ggml.bos_token_id 60000 names no token"),
 ])
 def test_vocabularies_llama_cpp_would_abort_on_are_refused(tmp_path, case, needle):
