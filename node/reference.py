@@ -196,50 +196,60 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, qpos: np.
     ``qpos`` int ``[T]``; k_cache, v_cache fp32 ``[Hkv, P, hd]`` holding that
     sequence's keys/values for positions ``0 .. max(qpos)`` at least.
     Query head ``h`` reads KV head ``h // (H / Hkv)``. Returns fp32 ``[T, H, hd]``.
+
+    Queries are taken a few at a time. For each such pass only the slots up to
+    the pass's last position are computed: the splits past it and the tail of
+    its last split are masked for every query of the pass, and their ``+0``
+    terms are left out, as a lane sum leaves out missing terms (adding ``+0``
+    to a lane sum, never ``-0.0``, changes nothing).
     """
     t_n, h_n, hd = q.shape
     hkv = k_cache.shape[0]
     grp = h_n // hkv
     scale = F32(1.0) / np.sqrt(F32(hd))
     out = np.empty_like(q)
-    p_used = int(qpos.max()) + 1
-    n_split = -(-p_used // SPLIT_KV)
-    # With one split, slots at or past p_used are dead for every query: their +0 terms
-    # are left out, as subtree_sum leaves out the missing terms of a lane (adding +0
-    # to a lane sum, never -0.0, changes nothing).
-    slots = p_used if n_split == 1 else SPLIT_KV
-    width = n_split * slots
-    kk = np.zeros((hkv, width, hd), F32)
-    vv = np.zeros((hkv, width, hd), F32)
-    kk[:, :p_used] = k_cache[:, :p_used]
-    vv[:, :p_used] = v_cache[:, :p_used]
-    kk = kk.reshape(hkv, n_split, slots, hd)
-    vv = vv.reshape(hkv, n_split, slots, hd)
-    keypos = np.arange(width).reshape(n_split, slots)
-    g_slot = SPLIT_KV // WARP  # lane l of a split's sums owns slots l*g_slot .. l*g_slot + g_slot - 1
-    chunk = max(1, (1 << 22) // (h_n * width * hd))
+    chunk = max(1, (1 << 22) // (h_n * (int(qpos.max()) + 1) * hd))   # queries per pass: bounds the temporaries
     for i in range(0, t_n, chunk):
         qc = q[i:i + chunk].reshape(-1, hkv, grp, 1, 1, hd)             # [T,Hkv,G,1,1,hd]
         pos = qpos[i:i + chunk]
-        s = warp_sum(qc * kk[None, :, None], axis=-1) * scale           # [T,Hkv,G,S,slots]
-        valid = (keypos[None] <= pos[:, None, None])[:, None, None]     # [T,1,1,S,slots]
-        m_c = np.max(np.where(valid, s, F32(-np.inf)), axis=-1)         # [T,Hkv,G,S]
-        live = valid.any(axis=-1)                                       # [T,1,1,S]
-        with np.errstate(invalid="ignore"):
-            e = np.where(valid, exp32(np.where(valid, s - m_c[..., None], F32(0.0))), F32(0.0))
-        l_c = subtree_sum(e, g_slot, WARP, axis=-1)                     # [T,Hkv,G,S]
-        pv = np.where(valid[..., None], e[..., None] * vv[None, :, None], F32(0.0))
-        o_c = subtree_sum(pv, g_slot, WARP, axis=-2)                    # [T,Hkv,G,S,hd]
+        end = int(pos.max()) + 1
+        n_full = (end - 1) // SPLIT_KV                                  # splits before the pass's last one
+        parts = [_split_sums(qc, k_cache, v_cache, pos, scale, c0, n, slots)
+                 for c0, n, slots in ((0, n_full, SPLIT_KV), (n_full * SPLIT_KV, 1, end - n_full * SPLIT_KV)) if n]
+        m_c, l_c, live = (np.concatenate([p[j] for p in parts], axis=-1) for j in (0, 1, 3))
+        o_c = np.concatenate([p[2] for p in parts], axis=-2)
         m_all = np.max(np.where(live, m_c, F32(-np.inf)), axis=-1)      # [T,Hkv,G]
         big_l = np.zeros(m_all.shape, F32)
         big_o = np.zeros(m_all.shape + (hd,), F32)
-        for c in range(n_split):
+        for c in range(m_c.shape[-1]):
             lv = live[..., c]
             w = exp32(np.where(lv, m_c[..., c] - m_all, F32(0.0)))
             big_l = np.where(lv, big_l + l_c[..., c] * w, big_l)
             big_o = np.where(lv[..., None], big_o + o_c[..., c, :] * w[..., None], big_o)
         out[i:i + chunk] = (big_o / big_l[..., None]).reshape(-1, h_n, hd)
     return out
+
+
+def _split_sums(qc, k_cache, v_cache, pos, scale, first: int, n: int, slots: int):
+    """Per-split sums of ``n`` KV splits of ``slots`` slots each from position
+    ``first`` (a split boundary; ``slots`` <= :data:`SPLIT_KV`) for the queries
+    ``qc`` fp32 ``[T,Hkv,G,1,1,hd]`` at positions ``pos`` ``[T]``: returns
+    ``m_c`` ``[T,Hkv,G,n]``, ``l_c`` ``[T,Hkv,G,n]``, ``o_c`` ``[T,Hkv,G,n,hd]``
+    and ``live`` bool ``[T,1,1,n]`` (the query has an unmasked slot in the split)."""
+    hkv, hd = k_cache.shape[0], k_cache.shape[2]
+    kk = k_cache[:, first:first + n * slots].reshape(hkv, n, slots, hd)
+    vv = v_cache[:, first:first + n * slots].reshape(hkv, n, slots, hd)
+    keypos = (first + np.arange(n * slots)).reshape(n, slots)
+    g_slot = SPLIT_KV // WARP  # lane l of a split's sums owns slots l*g_slot .. l*g_slot + g_slot - 1
+    s = warp_sum(qc * kk[None, :, None], axis=-1) * scale              # [T,Hkv,G,n,slots]
+    valid = (keypos[None] <= pos[:, None, None])[:, None, None]         # [T,1,1,n,slots]
+    m_c = np.max(np.where(valid, s, F32(-np.inf)), axis=-1)             # [T,Hkv,G,n]
+    with np.errstate(invalid="ignore"):
+        e = np.where(valid, exp32(np.where(valid, s - m_c[..., None], F32(0.0))), F32(0.0))
+    l_c = subtree_sum(e, g_slot, WARP, axis=-1)
+    pv = np.where(valid[..., None], e[..., None] * vv[None, :, None], F32(0.0))
+    o_c = subtree_sum(pv, g_slot, WARP, axis=-2)                        # [T,Hkv,G,n,hd]
+    return m_c, l_c, o_c, valid.any(axis=-1)
 
 
 def silu_gate(g: np.ndarray, u: np.ndarray) -> np.ndarray:

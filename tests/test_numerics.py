@@ -217,6 +217,69 @@ def test_attention_close_to_float64_softmax():
             assert np.allclose(out[t, hh], want, rtol=1e-4, atol=1e-5)
 
 
+def _lane_tree(terms: np.ndarray, g: int) -> np.ndarray:
+    """docs/determinism.md section 3 written out: lane l adds terms l*g .. l*g+g-1
+    (axis 0) onto +0.0 one by one, then lanes meet neighbours first."""
+    lanes = []
+    for l in range(32):
+        acc = np.zeros(terms.shape[1:], F32)
+        for j in range(l * g, min(l * g + g, terms.shape[0])):
+            acc = acc + terms[j]
+        lanes.append(acc)
+    while len(lanes) > 1:
+        lanes = [lanes[i] + lanes[i + 1] for i in range(0, len(lanes), 2)]
+    return lanes[0]
+
+
+def _attention_as_written(q, k, v, p, kv):
+    """One query head ``q`` fp32 ``[hd]`` at position ``p`` over KV head ``kv``, by
+    docs/determinism.md section 8 step by step."""
+    from node.fmath import exp32
+    hd = q.shape[0]
+    scale = F32(1.0) / np.sqrt(F32(hd))
+    ms, ls, os_ = [], [], []
+    for c in range(p // 256 + 1):
+        slots = np.arange(256 * c, 256 * c + 256)
+        live = slots <= p
+        kk = np.where(live[:, None], k[kv, np.minimum(slots, p)], F32(0.0))
+        s = _lane_tree((q[None, :] * kk).T, max(1, -(-hd // 32))) * scale
+        m = np.max(s[live])
+        e = np.where(live, exp32(np.where(live, s - m, F32(0.0))), F32(0.0))
+        vv = np.where(live[:, None], v[kv, np.minimum(slots, p)], F32(0.0))
+        ms.append(m)
+        ls.append(_lane_tree(e, 8))
+        os_.append(_lane_tree(e[:, None] * vv, 8))
+    big_m = max(ms)
+    big_l, big_o = F32(0.0), np.zeros(hd, F32)
+    for m, l_c, o_c in zip(ms, ls, os_):
+        w = exp32(np.asarray(m - big_m, F32))
+        big_l = big_l + l_c * w
+        big_o = big_o + o_c * w
+    return big_o / big_l
+
+
+def test_attention_bytes_are_the_contract_as_written():
+    """node/reference.py attention == section 8 of the contract followed literally, byte
+    for byte: three KV splits, queries in any order, positions at split edges, signed
+    zeros in K and V, scores far enough apart that exp32 gives +0, and passes of several
+    queries (the reference leaves out slots masked for a whole pass)."""
+    r = np.random.default_rng(21)
+    hkv, h, hd, p = 2, 4, 40, 600
+    k = r.standard_normal((hkv, p, hd)).astype(F32)
+    v = r.standard_normal((hkv, p, hd)).astype(F32)
+    k[:, 5], v[:, 6] = -0.0, -0.0
+    k[:, 300:310] *= F32(40.0)               # far-off scores: exp32 underflows to +0 in their split
+    edges = [599, 0, 255, 256, 3, 511, 512, 300, 598, 257]
+    pos = np.concatenate([edges, r.integers(0, p, 40)])   # 50 queries: more than one pass
+    q = (r.standard_normal((pos.size, h, hd)) * 2).astype(F32)
+    out = ref.attention(q, k, v, pos)
+    for t, pp in enumerate(pos):
+        assert out[t].tobytes() == ref.attention(q[t:t + 1], k, v, pos[t:t + 1])[0].tobytes()
+        for hh in range(h):
+            want = _attention_as_written(q[t, hh], k, v, int(pp), hh // (h // hkv))
+            assert out[t, hh].tobytes() == want.tobytes(), (pp, hh)
+
+
 def test_philox_known_answers():
     """Random123 known-answer vectors for philox4x32-10."""
     assert philox4x32((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
