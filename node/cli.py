@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequences per engine step (default: %(default)s)")
     s.add_argument("--step-tokens", type=int, metavar="N",
                    help="most tokens one engine step feeds, decode tokens included; prompts are prefilled "
-                        "within it, shortest first (default: 32 on cpu, 2048 on cuda)")
+                        "within it, those with the fewest tokens left first (default: 32 on cpu, 2048 on cuda)")
     s.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait beyond the free batch slots before 429 (default: %(default)s)")
     s.add_argument("--max-tokens-cap", type=int, default=4096, metavar="N",
