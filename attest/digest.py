@@ -34,12 +34,15 @@ def chain_start(model_sha256: bytes, request: dict) -> bytes:
 
 
 def logits_digest(logits: np.ndarray) -> bytes:
-    """SHA-256 of fp32 ``[n_vocab]`` logits as little-endian bytes."""
-    return sha256(np.ascontiguousarray(logits, dtype="<f4").tobytes())
+    """SHA-256 of fp32 ``[n_vocab]`` logits as little-endian bytes (hashed in
+    place; hashlib releases the GIL meanwhile, so rows may be hashed in threads)."""
+    return hashlib.sha256(np.ascontiguousarray(logits, dtype="<f4")).digest()
 
 
-def chain_step(prev: bytes, token: int, logits: np.ndarray) -> bytes:
-    return sha256(prev + struct.pack("<I", token) + logits_digest(logits))
+def chain_step(prev: bytes, token: int, logits_sha: bytes) -> bytes:
+    """The next chain link after ``prev`` for ``token``, drawn from logits whose
+    :func:`logits_digest` is ``logits_sha``."""
+    return sha256(prev + struct.pack("<I", token) + logits_sha)
 
 
 def output_digest(last_link: bytes, tokens: list[int], text: str, finish_reason: str) -> bytes:

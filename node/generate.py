@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from attest import digest
 from .engine import Engine
 from .errors import RequestError
@@ -217,11 +215,12 @@ class Generation:
                 return None
         return len(self.ids) + len(self.tokens)
 
-    def take(self, t: int, logits: np.ndarray) -> int:
-        """Append token ``t``, drawn by ``engine.sample`` from ``logits`` (fp32
-        ``[n_vocab]``, hashed into the digest chain) for the position :meth:`due` gave."""
+    def take(self, t: int, logits_sha: bytes) -> int:
+        """Append token ``t``, drawn by ``engine.sample`` for the position :meth:`due`
+        gave from logits whose :func:`attest.digest.logits_digest` is ``logits_sha``
+        (chained into the digest chain)."""
         pos = len(self.ids) + len(self.tokens)
-        self.link = digest.chain_step(self.link, t, logits)
+        self.link = digest.chain_step(self.link, t, logits_sha)
         self.tokens.append(t)
         self.chain.append(self.link)
         if t == self.tok.eos_id:
@@ -278,7 +277,7 @@ def steps(engine: Engine, tok: Tokenizer, record: dict) -> Iterator[Generation]:
             logits = engine.forward([(g.seq, chunk)])
             pos = g.due(len(chunk))
             if pos is not None:
-                g.take(engine.sample([(0, g.params, pos)], logits)[0], logits[0])
+                g.take(engine.sample([(0, g.params, pos)], logits)[0], digest.logits_digest(logits[0]))
                 yield g
     finally:
         g.release()

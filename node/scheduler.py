@@ -11,12 +11,15 @@ request's output equals what it would get alone on an idle node.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from attest.digest import logits_digest
 from .engine import Engine
 from .errors import BitexactError
 from .generate import PREFILL_CHUNK, Generation, Result
@@ -24,6 +27,7 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger("bitexact.scheduler")
 STEP_TOKENS = {"cpu": 32, "cuda": 2048}  # tokens per step by default: a CPU prefills about 13 tokens/s
+DIGEST_THREADS = min(8, os.cpu_count() or 1)  # a step's logits rows are hashed in parallel (hashlib frees the GIL)
 
 
 class QueueFull(BitexactError):
@@ -65,6 +69,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stop = False
         self._draining = False
+        self._hashers = concurrent.futures.ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="bitexact-digest")
         self._thread = threading.Thread(target=self._loop, name="bitexact-scheduler", daemon=True)
         self._thread.start()
 
@@ -111,6 +116,7 @@ class Scheduler:
             self._stop = True
             self._cv.notify_all()
         self._thread.join()
+        self._hashers.shutdown()
 
     # ---- worker ------------------------------------------------------------
     def _release(self, job: Job) -> None:
@@ -231,12 +237,13 @@ class Scheduler:
                 except Exception as e:   # noqa: BLE001
                     self._drop(ready[pick[0]], _as_request_error(e))
                     toks.append(None)
+        sums = self._hashers.map(logits_digest, [outs[i] for i, _, _ in picks])
         sampled = 0
-        for (i, _, _), t in zip(picks, toks):
+        for (i, _, _), t, sha in zip(picks, toks, sums):
             if t is None:
                 continue
             job = ready[i]
-            job.gen.take(t, outs[i])
+            job.gen.take(t, sha)
             sampled += 1
             if not job.cancelled:
                 job.on_event("token", (t, job.gen.stable_text()))

@@ -424,7 +424,7 @@ def test_ten_thousand_runs_one_digest(default_model):
         links = [digest.sha256(b"start")] * len(kinds)
         for _ in range(steps):
             toks = [int(np.argmax(lg)) for lg in last]
-            links = [digest.chain_step(l_, t, lg) for l_, t, lg in zip(links, toks, last)]
+            links = [digest.chain_step(l_, t, digest.logits_digest(lg)) for l_, t, lg in zip(links, toks, last)]
             order = rng.permutation(len(kinds))
             outs = eng.forward([(seqs[i], [toks[i]]) for i in order])
             for i, lg in zip(order, outs):
@@ -445,7 +445,7 @@ def test_ten_thousand_runs_one_digest(default_model):
     link = digest.sha256(b"start")
     for _ in range(steps):
         t = int(np.argmax(lg))
-        link = digest.chain_step(link, t, lg)
+        link = digest.chain_step(link, t, digest.logits_digest(lg))
         lg = cpu.forward([(s, [t])])[0]
     assert digests == {link.hex()}
 

@@ -306,10 +306,10 @@ def test_generation_text_and_stop_strings_match_decoding_the_whole_output(tok, a
     a = data.draw(st.integers(0, len(whole)))
     stops = [s for s in (whole[a:a + data.draw(st.integers(1, 6))], data.draw(st.text(min_size=1, max_size=3))) if s]
     gen = _generation(tok, stops, len(ids))
-    logits = np.zeros(4, np.float32)
+    logits_sha = bytes(32)
     streamed = [""]
     for k, t in enumerate(ids):
-        gen.take(t, logits)
+        gen.take(t, logits_sha)
         text = tok.decode(ids[:k + 1] if t != tok.eos_id else ids[:k])
         cut = [text.find(s) for s in stops if s in text]
         if t == tok.eos_id or cut:
@@ -363,7 +363,7 @@ def test_stop_strings_meet_held_back_bytes(tok, pieces, stops, steps, finish, te
     ids = [_byte_token(tok, p) for p in pieces]
     gen = _generation(tok, stops, 10)
     for n, t in enumerate(ids, 1):
-        gen.take(t, np.zeros(4, np.float32))
+        gen.take(t, bytes(32))
         if gen.done:
             break
     assert (n, gen.finish, gen.text) == (steps, finish, text)

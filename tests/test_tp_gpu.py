@@ -167,7 +167,7 @@ def _digests(eng, requests, rng, steps=4):
         for _ in range(steps):
             toks = {i: int(np.argmax(last[i])) for i in wave}
             for i in wave:
-                links[i] = digest.chain_step(links[i], toks[i], last[i])
+                links[i] = digest.chain_step(links[i], toks[i], digest.logits_digest(last[i]))
             order = list(rng.permutation(wave))
             for i, lg in zip(order, eng.forward([(seqs[i], [toks[i]]) for i in order])):
                 last[i] = lg
