@@ -780,6 +780,27 @@ def test_sigterm_drains_in_flight_requests(key, tmp_path):
     assert d.proc.wait(60) == 0
 
 
+def test_a_second_signal_does_not_cut_the_drain_short(key, tmp_path):
+    """SIGTERM, then SIGINT and SIGTERM again while a stream is open: the signals
+    after the first do nothing; the stream still ends with its attestation and
+    [DONE], and the daemon exits 0."""
+    d = Daemon(key, str(tmp_path / "data"))
+    body = json.dumps({"prompt": "Count: 1, 2,", "max_tokens": 4, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", d.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200"), got
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+            d.proc.send_signal(sig)
+            time.sleep(0.3)
+        while chunk := s.recv(65536):
+            got += chunk
+    assert b'"attestation"' in got and b"data: [DONE]" in got, got[-2000:]
+    assert d.proc.wait(60) == 0, d.proc.stderr.read()[-3000:]
+    assert "went away" not in d.proc.stderr.read()
+
+
 def test_group_readable_key_refused(key, tmp_path):
     bad = tmp_path / "bad.pem"
     bad.write_bytes(open(key, "rb").read())
