@@ -296,10 +296,13 @@ def _headers(att: dict) -> dict:
             "X-Bitexact-Signature": att["signature"], "X-Bitexact-Key-Id": att["key_id"]}
 
 
-def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 30.0) -> web.Application:
+def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 30.0,
+             drain_timeout_s: float = 30.0) -> web.Application:
     """The daemon's aiohttp application. A request body larger than ``max_body_bytes``
     is a 413; one that has not fully arrived ``body_timeout_s`` seconds after its
-    headers is a 408 (the connection then closes)."""
+    headers is a 408 (the connection then closes). At shutdown the requests queued
+    and running have ``drain_timeout_s`` seconds to finish; those still running
+    then end with a 503 (an error event when streaming), not a dropped connection."""
 
     @web.middleware
     async def json_errors(request, handler):
@@ -496,7 +499,12 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         return web.Response(body=generate_latest(node.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def on_shutdown(app):
-        await asyncio.get_running_loop().run_in_executor(None, node.scheduler.drain, 30.0)
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, node.scheduler.drain, drain_timeout_s):
+            log.warning("shutting down: %d requests did not finish within %g s; they end with a 503",
+                        node.scheduler.active + node.scheduler.queue_depth, drain_timeout_s)
+            # each gets Draining, so its handler answers before aiohttp cancels the handlers
+            await loop.run_in_executor(None, node.scheduler.stop)
 
     async def on_cleanup(app):
         node.scheduler.stop()

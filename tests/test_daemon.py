@@ -780,6 +780,46 @@ def test_sigterm_drains_in_flight_requests(key, tmp_path):
     assert d.proc.wait(60) == 0
 
 
+def test_requests_past_the_drain_timeout_end_with_a_503(key, tmp_path, caplog):
+    """At shutdown, the requests still running when the drain times out end with
+    a 503 (an error event when streaming), not a dropped connection, and the log
+    says so in one line rather than blaming the clients."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from attest import keys
+    from node.daemon import Node, make_app
+    model = load_model(default_model_path())
+    node = Node(Engine(model, n_ctx=256), Tokenizer(model), keys.load_private(key), str(tmp_path / "data"))
+
+    async def main():
+        runner = web.AppRunner(make_app(node, drain_timeout_s=1.0), handler_cancellation=True, shutdown_timeout=10)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/completions"
+        async with aiohttp.ClientSession() as http:
+            async def post(stream):
+                body = {"prompt": "Count: 1, 2,", "max_tokens": 200, "stream": stream}
+                try:
+                    async with http.post(url, json=body) as r:
+                        return r.status, await r.read()
+                except aiohttp.ClientError as e:
+                    return None, repr(e)
+            tasks = [asyncio.create_task(post(stream)) for stream in (False, True)]
+            while node.scheduler.active < 2:
+                await asyncio.sleep(0.05)
+            await runner.cleanup()
+            return await asyncio.gather(*tasks)
+    (code, plain), (stream_code, streamed) = asyncio.run(main())
+    assert code == 503 and json.loads(plain)["error"]["type"] == "server_error", (code, plain)
+    assert stream_code == 200 and b'data: {"error": {"message": "the node stopped before the request finished"' \
+        in streamed, streamed
+    assert "did not finish within 1 s" in caplog.text and "went away" not in caplog.text, caplog.text
+
+
 def test_a_second_signal_does_not_cut_the_drain_short(key, tmp_path):
     """SIGTERM, then SIGINT and SIGTERM again while a stream is open: the signals
     after the first do nothing; the stream still ends with its attestation and
