@@ -30,7 +30,7 @@ from attest.envelope import open_envelope, seal
 
 from . import __version__
 from .engine import Engine
-from .errors import AttestationError, BitexactError, RequestError
+from .errors import AttestationError, BitexactError, RequestError, one_line
 from .generate import Request, build_request
 from .provenance import build_payload, device_record
 from .sampler import SamplingParams
@@ -276,8 +276,7 @@ class Node:
         try:
             self.store.put(att_id, payload["timestamp"], result.digest.hex(), blob)
         except sqlite3.Error as e:
-            log.error("could not store attestation %s: %s", att_id, e)
-            raise BitexactError(f"the attestation could not be stored: {e}") from None
+            raise BitexactError(f"the attestation {att_id} could not be stored: {e}") from None
         sig = canonical.decode(blob)[4]
         return {"id": att_id, "output_digest": result.digest.hex(), "signature": sig.hex(), "key_id": self.key_id}
 
@@ -443,8 +442,10 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
             if resp is None or isinstance(e, asyncio.CancelledError):
                 raise
             return resp   # aiohttp's final write_eof meets the closed connection and stops quietly
-        except BitexactError as e:
+        except BitexactError as e:   # the node's fault (a NaN, the KV cache, the store) or its shutdown
             node.m_requests.labels("failed").inc()
+            if not isinstance(e, Draining):   # on_shutdown logs those
+                log.error("%s failed: %s", rid, one_line(str(e)))
             if resp is not None:
                 await _sse(resp, {"error": {"message": str(e), "type": "server_error"}})
                 return resp
