@@ -123,12 +123,14 @@ class Scheduler:
     # ---- worker ------------------------------------------------------------
     def _release(self, job: Job) -> None:
         """Free the job's sequence. An engine that cannot (a tensor-parallel engine
-        broken by a dead rank) is logged; the request still gets its answer."""
+        broken by a dead rank) is logged, a bug with its traceback; the request
+        still gets its answer and the worker lives on."""
         if job.gen is not None:
             try:
                 job.gen.release()
-            except BitexactError as e:
-                log.warning("could not free a finished request's sequence: %s", e)
+            except Exception as e:   # noqa: BLE001 - the worker thread must survive
+                (log.warning if isinstance(e, BitexactError) else log.exception)(
+                    "could not free a finished request's sequence: %s", e)
 
     def _finish(self, job: Job, kind: str, value) -> None:
         self._release(job)

@@ -458,3 +458,43 @@ def test_a_cancelled_job_holds_no_place_while_its_step_runs():
         engine.go.set()
         sched.stop()
     assert ends == [("third", "done")]
+
+
+def test_a_bug_freeing_a_sequence_still_answers_and_keeps_the_worker(caplog):
+    """A bug (not a BitexactError) in freeing a sequence, after a request finished
+    or was cancelled: the request still gets its answer, the bug is logged, and the
+    worker thread lives on to serve the next request (no request waits forever)."""
+    import threading
+
+    from node.gguf_model import default_model_path
+    from node.generate import Request, build_request
+    from node.scheduler import Scheduler
+    from node.tokenizer import Tokenizer
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+
+    class LeakyRelease:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def release(self, seq):
+            raise RuntimeError("planted bug in release")
+
+    rec = build_request(Request(prompt="Hi", max_tokens=2), tok, 256)
+    sched = Scheduler(LeakyRelease(Engine(model, n_ctx=256)), tok, max_batch=2)
+    try:
+        ends = []
+        for i in range(2):
+            done, started = threading.Event(), threading.Event()
+            cancelled = sched.submit(rec, lambda kind, value: started.set())
+            assert started.wait(60)
+            sched.cancel(cancelled)           # freed by the worker's loop, not by a step
+            sched.submit(rec, lambda kind, value: (ends.append(kind), done.set()) if kind != "token" else None)
+            assert done.wait(60), f"request {i} got no answer"
+    finally:
+        sched.stop()
+    assert ends == ["done", "done"]
+    assert "planted bug in release" in caplog.text
