@@ -177,7 +177,9 @@ def _serve(args, tok, key, engine) -> None:
         if args.tp != 1 else ""
     banner = (f"bitexact serve: {one_line(node.model_id)} on {engine.device}{tp}, key id {node.key_id}, "
               f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{sock.getsockname()[1]}")  # bound port
-    web.run_app(make_app(node, args.max_body_bytes, args.body_timeout), sock=sock, shutdown_timeout=30,
+    app = make_app(node, args.max_body_bytes, args.body_timeout)
+    app.on_startup.append(_drain_on_first_signal)
+    web.run_app(app, sock=sock, shutdown_timeout=30,
                 print=lambda _: print(banner, flush=True), access_log=None, handler_cancellation=True,
                 **SERVER_OPTIONS)
 
@@ -370,6 +372,24 @@ def _interrupted(signum, frame):
 
 
 _interrupted.seen = False
+
+
+async def _drain_on_first_signal(app) -> None:
+    """``serve``'s on_startup hook: SIGINT / SIGTERM start the drain (aiohttp's
+    GracefulExit), and as in :func:`_interrupted` the signals after the first do
+    nothing, so a second one cannot cut the drain short (aiohttp's own handlers
+    would abort it, dropping the requests in flight, and exit 1)."""
+    import asyncio
+
+    from aiohttp.web_runner import GracefulExit
+
+    def once():
+        if not _interrupted.seen:
+            _interrupted.seen = True
+            raise GracefulExit()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, once)
 
 
 def _error_line(text: str) -> None:

@@ -30,7 +30,7 @@ from attest.envelope import open_envelope, seal
 
 from . import __version__
 from .engine import Engine
-from .errors import AttestationError, BitexactError, RequestError
+from .errors import AttestationError, BitexactError, RequestError, one_line
 from .generate import Request, build_request
 from .provenance import build_payload, device_record
 from .sampler import SamplingParams
@@ -276,8 +276,7 @@ class Node:
         try:
             self.store.put(att_id, payload["timestamp"], result.digest.hex(), blob)
         except sqlite3.Error as e:
-            log.error("could not store attestation %s: %s", att_id, e)
-            raise BitexactError(f"the attestation could not be stored: {e}") from None
+            raise BitexactError(f"the attestation {att_id} could not be stored: {e}") from None
         sig = canonical.decode(blob)[4]
         return {"id": att_id, "output_digest": result.digest.hex(), "signature": sig.hex(), "key_id": self.key_id}
 
@@ -296,10 +295,13 @@ def _headers(att: dict) -> dict:
             "X-Bitexact-Signature": att["signature"], "X-Bitexact-Key-Id": att["key_id"]}
 
 
-def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 30.0) -> web.Application:
+def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 30.0,
+             drain_timeout_s: float = 30.0) -> web.Application:
     """The daemon's aiohttp application. A request body larger than ``max_body_bytes``
     is a 413; one that has not fully arrived ``body_timeout_s`` seconds after its
-    headers is a 408 (the connection then closes)."""
+    headers is a 408 (the connection then closes). At shutdown the requests queued
+    and running have ``drain_timeout_s`` seconds to finish; those still running
+    then end with a 503 (an error event when streaming), not a dropped connection."""
 
     @web.middleware
     async def json_errors(request, handler):
@@ -440,8 +442,10 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
             if resp is None or isinstance(e, asyncio.CancelledError):
                 raise
             return resp   # aiohttp's final write_eof meets the closed connection and stops quietly
-        except BitexactError as e:
+        except BitexactError as e:   # the node's fault (a NaN, the KV cache, the store) or its shutdown
             node.m_requests.labels("failed").inc()
+            if not isinstance(e, Draining):   # on_shutdown logs those
+                log.error("%s failed: %s", rid, one_line(str(e)))
             if resp is not None:
                 await _sse(resp, {"error": {"message": str(e), "type": "server_error"}})
                 return resp
@@ -496,7 +500,12 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         return web.Response(body=generate_latest(node.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def on_shutdown(app):
-        await asyncio.get_running_loop().run_in_executor(None, node.scheduler.drain, 30.0)
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, node.scheduler.drain, drain_timeout_s):
+            log.warning("shutting down: %d requests did not finish within %g s; they end with a 503",
+                        node.scheduler.active + node.scheduler.queue_depth, drain_timeout_s)
+            # each gets Draining, so its handler answers before aiohttp cancels the handlers
+            await loop.run_in_executor(None, node.scheduler.stop)
 
     async def on_cleanup(app):
         node.scheduler.stop()

@@ -38,7 +38,7 @@ class Draining(BitexactError):
     """The node is shutting down and takes no new requests (HTTP 503)."""
 
 
-@dataclass
+@dataclass(eq=False)   # jobs are compared by identity: two requests may hold equal records
 class Job:
     """One submitted request. ``on_event(kind, value)`` is called from the worker
     thread with ``("token", (token_id, stable_text))``, then ``("done", Result)``
@@ -75,11 +75,15 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
+        """Jobs waiting for a batch slot (a cancelled one leaves at once)."""
         return len(self._waiting)
 
     @property
     def active(self) -> int:
-        return len(self._active)
+        """Jobs in the running batch, not counting cancelled ones (their sequence
+        is freed once the step under way ends). Lock-free (a copy of the batch), so
+        /health never waits on the worker."""
+        return _live(list(self._active))
 
     def submit(self, record: dict, on_event) -> Job:
         """Queue a request record (from :func:`node.generate.build_request`).
@@ -88,16 +92,20 @@ class Scheduler:
         with self._cv:
             if self._draining or self._stop:
                 raise Draining("the node is shutting down")
-            if len(self._waiting) >= max(0, self.max_batch - len(self._active)) + self.max_queue:
+            # a cancelled job (its client went away) holds no place: it leaves at the next step
+            if len(self._waiting) >= max(0, self.max_batch - _live(self._active)) + self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
             self._waiting.append(job)
             self._cv.notify()
         return job
 
     def cancel(self, job: Job) -> None:
-        """Drop a job (a client went away); its sequence is freed at the next step."""
+        """Drop a job (a client went away): a waiting one leaves the queue now, a
+        running one's sequence is freed at the next step."""
         with self._cv:
             job.cancelled = True
+            if job in self._waiting:
+                self._waiting.remove(job)
             self._cv.notify()
 
     def drain(self, timeout: float) -> bool:
@@ -121,12 +129,14 @@ class Scheduler:
     # ---- worker ------------------------------------------------------------
     def _release(self, job: Job) -> None:
         """Free the job's sequence. An engine that cannot (a tensor-parallel engine
-        broken by a dead rank) is logged; the request still gets its answer."""
+        broken by a dead rank) is logged, a bug with its traceback; the request
+        still gets its answer and the worker lives on."""
         if job.gen is not None:
             try:
                 job.gen.release()
-            except BitexactError as e:
-                log.warning("could not free a finished request's sequence: %s", e)
+            except Exception as e:   # noqa: BLE001 - the worker thread must survive
+                (log.warning if isinstance(e, BitexactError) else log.exception)(
+                    "could not free a finished request's sequence: %s", e)
 
     def _finish(self, job: Job, kind: str, value) -> None:
         self._release(job)
@@ -139,8 +149,6 @@ class Scheduler:
                 for job in [j for j in self._active if j.cancelled]:
                     self._active.remove(job)
                     self._release(job)
-                for job in [j for j in self._waiting if j.cancelled]:
-                    self._waiting.remove(job)
                 if self._stop:
                     for job in list(self._waiting) + self._active:
                         self._finish(job, "error", Draining("the node stopped before the request finished"))
@@ -262,6 +270,11 @@ class Scheduler:
             self._active.remove(job)
             self._cv.notify_all()
         self._finish(job, "error", err)
+
+
+def _live(jobs) -> int:
+    """How many of ``jobs`` are not cancelled."""
+    return sum(not job.cancelled for job in jobs)
 
 
 def _as_request_error(e: Exception) -> BitexactError:

@@ -780,6 +780,118 @@ def test_sigterm_drains_in_flight_requests(key, tmp_path):
     assert d.proc.wait(60) == 0
 
 
+def in_process(key, tmp_path, engine_wrapper=lambda e: e):
+    """A :class:`node.daemon.Node` in this process on the CPU engine (``engine_wrapper``
+    may plant faults in it), for tests that drive the aiohttp app directly."""
+    from attest import keys
+    from node.daemon import Node
+    model = load_model(default_model_path())
+    return Node(engine_wrapper(Engine(model, n_ctx=256)), Tokenizer(model), keys.load_private(key),
+                str(tmp_path / "data"))
+
+
+def serve_in_process(node, bodies, before_cleanup=None, **app_kw):
+    """POST each of ``bodies`` to /v1/completions of ``node``'s app at once; awaits
+    ``before_cleanup(node)`` (if given) before the app shuts down. Returns each
+    request's ``(status, body bytes)``, ``(None, error)`` for a dropped connection."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from node.daemon import make_app
+
+    async def main():
+        runner = web.AppRunner(make_app(node, **app_kw), handler_cancellation=True, shutdown_timeout=10)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/completions"
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def post(body):
+                    try:
+                        async with http.post(url, json=body) as r:
+                            return r.status, await r.read()
+                    except aiohttp.ClientError as e:
+                        return None, repr(e)
+                tasks = [asyncio.create_task(post(body)) for body in bodies]
+                if before_cleanup:
+                    await before_cleanup(node)
+                    await runner.cleanup()
+                return await asyncio.gather(*tasks)
+        finally:
+            await runner.cleanup()
+    return asyncio.run(main())
+
+
+def test_requests_past_the_drain_timeout_end_with_a_503(key, tmp_path, caplog):
+    """At shutdown, the requests still running when the drain times out end with
+    a 503 (an error event when streaming), not a dropped connection, and the log
+    says so in one line rather than blaming the clients."""
+    import asyncio
+
+    async def both_running(node):
+        while node.scheduler.active < 2:
+            await asyncio.sleep(0.05)
+    (code, plain), (stream_code, streamed) = serve_in_process(
+        in_process(key, tmp_path), [{"prompt": "Count: 1, 2,", "max_tokens": 200, "stream": stream}
+                                    for stream in (False, True)], both_running, drain_timeout_s=1.0)
+    assert code == 503 and json.loads(plain)["error"]["type"] == "server_error", (code, plain)
+    assert stream_code == 200 and b'data: {"error": {"message": "the node stopped before the request finished"' \
+        in streamed, streamed
+    assert "did not finish within 1 s" in caplog.text and "went away" not in caplog.text, caplog.text
+
+
+def test_an_engine_fault_is_a_500_with_one_log_line(key, tmp_path, caplog):
+    """A fault of the engine (here a NaN in a step holding a planted token) fails
+    its request with a 500 (an error event when streaming) and one log line each
+    naming the request, not a 500 the operator never hears of."""
+    from node.errors import NumericFault
+    tok = Tokenizer(load_model(default_model_path()))
+    marker = tok.encode("Zebras")[-1]
+
+    class Faulty:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def forward(self, chunks, all_logits=False):
+            if any(marker in c for _, c in chunks):
+                raise NumericFault("NaN in logits: the forward pass faulted")
+            return self.engine.forward(chunks, all_logits)
+    got = serve_in_process(in_process(key, tmp_path, Faulty), [
+        {"prompt": "Zebras", "max_tokens": 1}, {"prompt": "Zebras", "max_tokens": 1, "stream": True}])
+    (code, plain), (stream_code, streamed) = got
+    assert code == 500 and json.loads(plain)["error"]["message"] == "NaN in logits: the forward pass faulted"
+    assert stream_code == 200 and b'"NaN in logits' in streamed, streamed
+    lines = [r for r in caplog.records if "NaN in logits" in r.getMessage()]
+    assert len(lines) == 2 and all(r.levelname == "ERROR" and "cmpl-" in r.getMessage() for r in lines), caplog.text
+
+
+def test_a_second_signal_does_not_cut_the_drain_short(key, tmp_path):
+    """SIGTERM, then SIGINT and SIGTERM again while a stream is open: the signals
+    after the first do nothing; the stream still ends with its attestation and
+    [DONE], and the daemon exits 0."""
+    d = Daemon(key, str(tmp_path / "data"))
+    body = json.dumps({"prompt": "Count: 1, 2,", "max_tokens": 4, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", d.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200"), got
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+            d.proc.send_signal(sig)
+            time.sleep(0.3)
+        while chunk := s.recv(65536):
+            got += chunk
+    assert b'"attestation"' in got and b"data: [DONE]" in got, got[-2000:]
+    assert d.proc.wait(60) == 0, d.proc.stderr.read()[-3000:]
+    assert "went away" not in d.proc.stderr.read()
+
+
 def test_group_readable_key_refused(key, tmp_path):
     bad = tmp_path / "bad.pem"
     bad.write_bytes(open(key, "rb").read())

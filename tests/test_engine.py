@@ -407,3 +407,94 @@ def test_step_token_budget_serves_short_prompts_first_and_keeps_the_bytes():
     assert [got["long"], got["short"]] == solo
     assert order == ["short", "long"]
     assert steps and max(steps) <= 8 and sum(steps) >= len(long["prompt_tokens"]) + len(short["prompt_tokens"])
+
+
+def test_a_cancelled_job_holds_no_place_while_its_step_runs():
+    """A client that goes away mid-prefill: its job is cancelled during a long step,
+    and until that step ends the job still holds its sequence, but not its place:
+    with one batch slot and no queue the next request is taken (not QueueFull),
+    counted neither active nor waiting, and served once the step ends; a waiting
+    job that is cancelled leaves the queue at once."""
+    import threading
+
+    from node.gguf_model import default_model_path
+    from node.generate import Request, build_request
+    from node.scheduler import Scheduler
+    from node.tokenizer import Tokenizer
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+
+    class Gated:
+        """The engine, except that its first forward pass waits for ``go``."""
+        def __init__(self, engine):
+            self.engine, self.entered, self.go = engine, threading.Event(), threading.Event()
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def forward(self, chunks, all_logits=False):
+            if not self.entered.is_set():
+                self.entered.set()
+                assert self.go.wait(60)
+            return self.engine.forward(chunks, all_logits)
+
+    engine = Gated(Engine(model, n_ctx=256))
+    rec = build_request(Request(prompt="Hi", max_tokens=1), tok, 256)
+    sched = Scheduler(engine, tok, max_batch=1, max_queue=0)
+    ends, done = [], threading.Event()
+    try:
+        first = sched.submit(rec, lambda kind, value: ends.append(("first", kind)))
+        assert engine.entered.wait(60)
+        sched.cancel(first)
+        assert (sched.active, sched.queue_depth) == (0, 0)
+        second = sched.submit(rec, lambda kind, value: ends.append(("second", kind)))
+        assert sched.queue_depth == 1
+        sched.cancel(second)                  # a waiting job leaves the queue at once
+        assert sched.queue_depth == 0
+        sched.submit(rec, lambda kind, value: (ends.append(("third", kind)), done.set()) if kind != "token" else None)
+        engine.go.set()
+        assert done.wait(120)
+    finally:
+        engine.go.set()
+        sched.stop()
+    assert ends == [("third", "done")]
+
+
+def test_a_bug_freeing_a_sequence_still_answers_and_keeps_the_worker(caplog):
+    """A bug (not a BitexactError) in freeing a sequence, after a request finished
+    or was cancelled: the request still gets its answer, the bug is logged, and the
+    worker thread lives on to serve the next request (no request waits forever)."""
+    import threading
+
+    from node.gguf_model import default_model_path
+    from node.generate import Request, build_request
+    from node.scheduler import Scheduler
+    from node.tokenizer import Tokenizer
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+
+    class LeakyRelease:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def release(self, seq):
+            raise RuntimeError("planted bug in release")
+
+    rec = build_request(Request(prompt="Hi", max_tokens=2), tok, 256)
+    sched = Scheduler(LeakyRelease(Engine(model, n_ctx=256)), tok, max_batch=2)
+    try:
+        ends = []
+        for i in range(2):
+            done, started = threading.Event(), threading.Event()
+            cancelled = sched.submit(rec, lambda kind, value: started.set())
+            assert started.wait(60)
+            sched.cancel(cancelled)           # freed by the worker's loop, not by a step
+            sched.submit(rec, lambda kind, value: (ends.append(kind), done.set()) if kind != "token" else None)
+            assert done.wait(60), f"request {i} got no answer"
+    finally:
+        sched.stop()
+    assert ends == ["done", "done"]
+    assert "planted bug in release" in caplog.text
