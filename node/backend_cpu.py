@@ -107,12 +107,13 @@ class CpuBackend:
         """Run the engine's device pass; returns host fp32 logits ``[R, n_vocab]``."""
         return forward(tok, pos, rows)
 
-    def begin_step(self, spans, pos, decode: bool = False) -> None:
+    def begin_step(self, spans, pos, replay: bool = False) -> None:
         """Make room in each sequence's cache for this step's tokens.
 
         ``spans``: ``(seq, a, b)``, the step's token rows ``a:b`` belong to
-        ``seq``; ``pos`` int ``[M]`` the tokens' positions; ``decode`` says
-        every chunk is one token (unused on the CPU).
+        ``seq``; ``pos`` int ``[M]`` the tokens' positions; ``replay`` says the
+        logits rows are the chunks' last tokens (a CUDA graph may run the step;
+        unused on the CPU).
         """
         self._spans, self._pos = spans, pos
         for seq, a, b in spans:

@@ -41,7 +41,8 @@ MQ_NIBBLES = ("Q4_0", "Q4_1", "Q4_K")  # weight types whose matmul_q records hol
 MQ_SCALES = 128  # bytes of a record's scale words
 PACK_ROWS = 8192  # rows packed at a time (bounds the packing's temporary memory)
 MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode batch sizes replayed through CUDA graphs
+GRAPH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # tokens of a step replayed through a CUDA graph
+GRAPH_ROWS = (1, 2, 4, 8, 16, 32, 64)  # logits rows (sequences) of a step replayed through a CUDA graph
 
 
 def mq_split(rows: list[int], lanes: int) -> int:
@@ -383,7 +384,9 @@ class CudaBackend:
         self._pages: dict[int, list[int]] = {}
         self.graphs = graphs
         self.max_splits = -(-n_ctx // SPLIT_KV)
-        self._graph_cache: dict[int, dict] = {}
+        self._graph_cache: dict[tuple, dict] = {}
+        self._graph_pool = None           # the memory of every captured graph (they run one at a time)
+        self._graph_logits = None         # pinned host logits [GRAPH_ROWS[-1], n_vocab] of a replayed step
         self._entry = None
         self._last = None                 # device logits [R, n_vocab] of the last step (for sample_last)
         self._device_record = None
@@ -836,26 +839,40 @@ class CudaBackend:
             self.kp[:, dp] = self.kp[:, sp]
             self.vp[:, dp] = self.vp[:, sp]
 
-    def begin_step(self, spans, pos, decode: bool = False) -> None:
+    def graph_key(self, m: int, r: int, splits: int) -> tuple[int, int, int] | None:
+        """The captured CUDA graph that a step of ``m`` tokens, ``r`` logits rows and
+        ``splits`` KV splits (of its furthest position) replays: ``(tokens, rows,
+        splits)`` padded up to :data:`GRAPH_TOKENS`, :data:`GRAPH_ROWS` and a power of
+        two (at most ``max_splits``). None (eager launches) when graphs are off or
+        the step is larger."""
+        mb = next((b for b in GRAPH_TOKENS if b >= m), None)
+        rb = next((b for b in GRAPH_ROWS if b >= r), None)
+        if not self.graphs or mb is None or rb is None:
+            return None
+        return mb, rb, min(1 << (splits - 1).bit_length(), self.max_splits)
+
+    def begin_step(self, spans, pos, replay: bool = False) -> None:
         """Allocate pages for this step's positions and fill the per-token page tables.
 
-        A decode step (one token per sequence, at most 64 sequences) is padded
-        to a graph bucket: padding rows use token 0 at position 0 on the
-        scratch page, and tables have a fixed ``max_splits`` columns, so the
-        step can replay a captured CUDA graph. Per-row results do not depend
-        on the padding (every op is per row).
+        A step whose logits rows are its chunks' last tokens (``replay``) and that
+        fits a :meth:`graph_key` is padded to that graph's shape: padding tokens are
+        token 0 at position 0 on the scratch page, padding logits rows repeat the
+        last token row, and the page tables have the graph's split count, so the
+        step can replay a captured CUDA graph. Per-row results do not depend on the
+        padding (every op is per token or per row, and a split past a token's
+        position adds nothing).
         """
         with self.stream:
-            self._begin_step(spans, pos, decode)
+            self._begin_step(spans, pos, replay)
 
-    def _begin_step(self, spans, pos, decode):
+    def _begin_step(self, spans, pos, replay):
         cp = self.cp
         for seq, a, b in spans:
             self._grow(seq, int(pos[b - 1]) + 1)
         m = len(pos)
-        bucket = next((b for b in GRAPH_BUCKETS if b >= m), None) if decode and self.graphs else None
-        rows = bucket or m
-        ms = self.max_splits if bucket else int(pos.max()) // SPLIT_KV + 1
+        need = int(pos.max()) // SPLIT_KV + 1
+        key = self.graph_key(m, len(spans), need) if replay else None
+        rows, ms = (key[0], key[2]) if key else (m, need)
         tab = np.full((rows, ms), self._scratch_page, np.int32)
         tok_page = np.full(rows, self._scratch_page, np.int32)
         for seq, a, b in spans:
@@ -866,14 +883,14 @@ class CudaBackend:
         qpos = np.zeros(rows, np.int32)
         qpos[:m] = pos
         self._max_splits = ms
-        if bucket is None:
+        if key is None:
             self._entry = None
             self._page_tab, self._tok_page = cp.asarray(tab), cp.asarray(tok_page)
             self._tok_slot, self._qpos = cp.asarray(qpos % SPLIT_KV), cp.asarray(qpos)
             return
-        e = self._graph_cache.get(bucket)
+        e = self._graph_cache.get(key)
         if e is None:
-            e = self._graph_cache[bucket] = self._new_bucket(bucket, ms)
+            e = self._graph_cache[key] = self._new_graph(*key)
         h = e["host"]
         h["tab"][:] = tab
         h["page"][:] = tok_page
@@ -883,21 +900,25 @@ class CudaBackend:
         self._page_tab, self._tok_page, self._tok_slot, self._qpos = d["tab"], d["page"], d["slot"], d["qpos"]
         self._entry = e
 
-    def _new_bucket(self, bucket: int, ms: int) -> dict:
-        """Buffers of one graph bucket. The step's inputs (token ids, positions,
-        page tables) live in one pinned host buffer mirrored by one device
-        buffer, so a step uploads them with a single asynchronous copy; the
-        logits come back into a pinned buffer."""
+    def _new_graph(self, mb: int, rb: int, ms: int) -> dict:
+        """Buffers of the graph of ``mb`` tokens, ``rb`` logits rows and ``ms`` KV
+        splits. The step's inputs (token ids, positions, logits rows, page tables)
+        live in one pinned host buffer mirrored by one device buffer, so a step
+        uploads them with a single asynchronous copy; the logits come back into a
+        pinned buffer. Every graph takes its memory from one pool: graphs run one
+        at a time, each rewrites its inputs before it runs, and a step reads its
+        logits before the next step runs, so graphs may share their scratch memory."""
         cp = self.cp
         import cupyx
 
-        layout = (("tok", np.int64, bucket), ("pos", np.int64, bucket), ("tab", np.int32, bucket * ms),
-                  ("page", np.int32, bucket), ("slot", np.int32, bucket), ("qpos", np.int32, bucket))
+        layout = (("tok", np.int64, mb), ("pos", np.int64, mb), ("rows", np.int64, rb), ("tab", np.int32, mb * ms),
+                  ("page", np.int32, mb), ("slot", np.int32, mb), ("qpos", np.int32, mb))
         size = sum(np.dtype(t).itemsize * n for _, t, n in layout)
-        pool = cp.cuda.MemoryPool()
-        with cp.cuda.using_allocator(pool.malloc):
+        if self._graph_pool is None:
+            self._graph_pool = cp.cuda.MemoryPool()
+            self._graph_logits = cupyx.empty_pinned((GRAPH_ROWS[-1], self.hp.n_vocab), np.float32)
+        with cp.cuda.using_allocator(self._graph_pool.malloc):
             dev_raw = cp.zeros(size, cp.uint8)
-            rows = cp.arange(bucket, dtype=cp.int64)
         host_raw = cupyx.zeros_pinned(size, np.uint8)
         host, dev, off = {}, {}, 0
         for name, t, n in layout:
@@ -905,18 +926,15 @@ class CudaBackend:
             host[name] = host_raw[off:off + nb].view(t)
             dev[name] = dev_raw[off:off + nb].view(t)
             off += nb
-        for name in ("tab", "page", "slot", "qpos"):
-            host[name] = host[name].reshape((bucket, ms) if name == "tab" else (bucket,))
-            dev[name] = dev[name].reshape((bucket, ms) if name == "tab" else (bucket,))
-        return {"pool": pool, "graph": None, "rows": rows, "host_raw": host_raw, "dev_raw": dev_raw,
-                "host": host, "dev": dev, "logits": cupyx.empty_pinned((bucket, self.hp.n_vocab), np.float32)}
+        host["tab"], dev["tab"] = host["tab"].reshape(mb, ms), dev["tab"].reshape(mb, ms)
+        return {"graph": None, "tokens": mb, "host_raw": host_raw, "dev_raw": dev_raw, "host": host, "dev": dev}
 
     def run(self, forward, tok, pos, rows) -> np.ndarray:
         """Run the engine's device pass; returns host fp32 logits ``[R, n_vocab]``.
 
-        Decode steps replay the bucket's CUDA graph, captured on first use in
-        a memory pool of its own (so no later allocation can reuse the
-        graph's buffers); other steps launch eagerly.
+        A step :meth:`begin_step` fitted to a graph replays it, captured on first
+        use in the graphs' memory pool (so no allocation outside graphs can reuse
+        their buffers); other steps launch eagerly.
         """
         cp = self.cp
         e = self._entry
@@ -931,24 +949,25 @@ class CudaBackend:
         if e is None:
             self._last = forward(cp.asarray(tok), cp.asarray(pos), cp.asarray(rows))
             return self.to_host(self._last)
-        m = len(tok)
+        m, r = len(tok), len(rows)
         h, d = e["host"], e["dev"]
         h["tok"][:m], h["tok"][m:] = tok, 0
         h["pos"][:m], h["pos"][m:] = pos, 0
+        h["rows"][:r], h["rows"][r:] = rows, e["tokens"] - 1
         e["dev_raw"].set(e["host_raw"], self.stream)
         if e["graph"] is None:
-            with cp.cuda.using_allocator(e["pool"].malloc):
-                forward(d["tok"], d["pos"], e["rows"])          # warm the pool: no cudaMalloc in capture
+            with cp.cuda.using_allocator(self._graph_pool.malloc):
+                forward(d["tok"], d["pos"], d["rows"])          # warm the pool: no cudaMalloc in capture
                 self.stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
                 try:
-                    e["out"] = forward(d["tok"], d["pos"], e["rows"])
+                    e["out"] = forward(d["tok"], d["pos"], d["rows"])
                 finally:
                     e["graph"] = self.stream.end_capture()
         e["graph"].launch(self.stream)
-        self._last = e["out"][:m]
-        e["out"][:m].get(self.stream, out=e["logits"][:m])
+        self._last = e["out"][:r]
+        e["out"][:r].get(self.stream, out=self._graph_logits[:r])
         self.stream.synchronize()
-        return e["logits"][:m].copy()
+        return self._graph_logits[:r].copy()
 
     def attend(self, layer, q, k, v, cos, sin, feeds=()):
         """RoPE of q (fp32 ``[M, H, hd]``) and k (fp32 ``[M, Hkv, hd]``) with the step's

@@ -136,8 +136,7 @@ class Engine:
             raise RequestError(f"token id out of range [0, {hp.n_vocab})")
         pos_arr = np.asarray(pos, np.int64)
         rows = np.arange(len(toks)) if all_logits else np.asarray([b - 1 for _, b in spans])
-        decode = not all_logits and all(len(tk) == 1 for _, tk in chunks)
-        be.begin_step([(seq, a, b) for (seq, _), (a, b) in zip(chunks, spans)], pos_arr, decode)
+        be.begin_step([(seq, a, b) for (seq, _), (a, b) in zip(chunks, spans)], pos_arr, replay=not all_logits)
         logits = be.run(self._device_forward, tok_arr, pos_arr, rows)
         for (seq, tk) in chunks:
             self._len[seq] += len(tk)

@@ -50,13 +50,17 @@ def weight_bytes(model) -> int:
 
 
 def graph_replay_ms(be, batch: int, n: int) -> float:
-    """GPU time of one decode step: the bucket's captured graph replayed ``n`` times
-    back to back, timed with CUDA events (no host work between replays)."""
+    """GPU time of one decode step of ``batch`` sequences: the CUDA graph the last
+    step replayed (a decode step of that batch), replayed ``n`` times back to back,
+    timed with CUDA events (no host work between replays)."""
     import cupy as cp
 
-    from node.backend_cuda import GRAPH_BUCKETS
+    from node.backend_cuda import GRAPH_TOKENS
 
-    graph = be._graph_cache[next(b for b in GRAPH_BUCKETS if b >= batch)]["graph"]
+    e = be._entry
+    if e is None or e["tokens"] != next(b for b in GRAPH_TOKENS if b >= batch):
+        raise RuntimeError(f"the last step replayed no graph of a {batch}-sequence decode step")
+    graph = e["graph"]
     start, end = cp.cuda.Event(), cp.cuda.Event()
     start.record(be.stream)
     for _ in range(n):

@@ -452,20 +452,24 @@ def test_ten_thousand_runs_one_digest(default_model):
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "BF16"])
 def test_graph_replay_equals_eager(models, qtype):
-    """Decode steps replayed through CUDA graphs (padded buckets) equal eager launches."""
+    """Steps replayed through CUDA graphs (padded to their graph's tokens, logits rows
+    and KV splits) equal eager launches: a prefill step, decode steps, and steps that
+    mix decode tokens with another sequence's prompt chunk as it crosses a KV split."""
     model = models[qtype]
-    rng = np.random.default_rng(3)
     outs = []
     for graphs in (True, False):
+        rng = np.random.default_rng(3)
         eng = Engine(model, "cuda", pin=None, kv_pages=64, graphs=graphs)
         seqs = [eng.new_sequence() for _ in range(5)]
-        eng.forward([(s, rng.integers(0, 300, 20 + 7 * i).tolist()) for i, s in enumerate(seqs)])
-        steps = []
-        for t in range(6):
-            live = seqs[: 5 - t % 3]                     # batch sizes 5, 4, 3: buckets 8 and 4
-            steps.append(np.stack(eng.forward([(s, [t + 1]) for s in live])))
+        steps = [np.stack(eng.forward([(s, rng.integers(0, 300, 20 + 7 * i).tolist()) for i, s in enumerate(seqs)]))]
+        late, prompt = eng.new_sequence(), rng.integers(0, 300, 290).tolist()
+        for t in range(10):
+            live = seqs[: 5 - t % 3]                     # 5, 4, 3 decode tokens
+            chunk = [(late, prompt[40 * t:40 * t + 40])] if 40 * t < len(prompt) else []
+            steps.append(np.stack(eng.forward([(s, [t + 1]) for s in live] + chunk)))
+        if graphs:   # prefill, decode and mixed steps, one and two KV splits, all replayed
+            assert {k[2] for k in eng.backend._graph_cache} == {1, 2} and eng.backend._entry is not None
         outs.append(steps)
-        rng = np.random.default_rng(3)
     for a, b in zip(*outs):
         assert_same(b, a, "graph vs eager")
 
