@@ -3,6 +3,7 @@
 import hashlib
 import time
 
+import jinja2
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -182,6 +183,31 @@ def test_a_dead_template_process_is_one_request_error_and_is_replaced():
     with pytest.raises(RequestError, match="^chat template failed: the process rendering it died$"):
         template.render_template("{{ 1 + 1 }}")
     assert template.render_template("{{ 2 + 2 }}") == "4"
+
+
+def test_compiled_templates_are_kept_per_source_and_bounded():
+    """The template worker compiles a source once and renders it with each call's own
+    context; it keeps at most TEMPLATE_CACHE sources, and a source whose compiling runs
+    out of steps is not kept: it fails again, under the same step count, on every call."""
+    from node import template
+    template._COMPILED.clear()
+    src = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+    for who in ("a", "b"):
+        assert template._render_bounded(src, {"messages": [{"role": who, "content": "x"}]}) == f"{who}:x;"
+    assert list(template._COMPILED) == [src]
+    for i in range(template.TEMPLATE_CACHE + 2):
+        assert template._render_bounded(f"{{{{ {i} }}}}", {}) == str(i)
+    assert len(template._COMPILED) == template.TEMPLATE_CACHE and src not in template._COMPILED
+    slow = "{{ " + " + ".join(["1"] * 200) + " }}"   # constant folding while compiling
+    old = template.TEMPLATE_STEPS
+    try:
+        template.TEMPLATE_STEPS = 50
+        for _ in range(2):
+            with pytest.raises(jinja2.TemplateError, match="more than 50 steps"):
+                template._render_bounded(slow, {})
+        assert slow not in template._COMPILED
+    finally:
+        template.TEMPLATE_STEPS = old
 
 
 def test_a_sampling_fault_fails_only_its_request():
