@@ -960,9 +960,10 @@ class CudaBackend:
                 forward(d["tok"], d["pos"], d["rows"])          # warm the pool: no cudaMalloc in capture
                 self.stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
                 try:
-                    e["out"] = forward(d["tok"], d["pos"], d["rows"])
-                finally:
-                    e["graph"] = self.stream.end_capture()
+                    out = forward(d["tok"], d["pos"], d["rows"])
+                finally:   # a capture that failed half-way (out of memory) is dropped, not kept
+                    graph = self.stream.end_capture()
+                e["out"], e["graph"] = out, graph
         e["graph"].launch(self.stream)
         self._last = e["out"][:r]
         e["out"][:r].get(self.stream, out=self._graph_logits[:r])

@@ -474,6 +474,37 @@ def test_graph_replay_equals_eager(models, qtype):
         assert_same(b, a, "graph vs eager")
 
 
+def test_a_failed_graph_capture_keeps_no_graph(models):
+    """A step whose CUDA graph capture fails half-way (out of GPU memory) is a GpuError
+    and leaves no graph behind: the same step then captures again and gives the bytes
+    of eager launches."""
+    import cupy as cp
+
+    from node.backend_cuda import GpuError
+    model = models["Q8_0"]
+    toks = list(range(1, 40))
+    outs = []
+    for graphs in (True, False):
+        eng = Engine(model, "cuda", pin=None, kv_pages=8, graphs=graphs)
+        s = eng.new_sequence()
+        if graphs:
+            real = eng._device_forward
+
+            def failing(*a):
+                if eng.backend.stream.is_capturing():
+                    raise cp.cuda.memory.OutOfMemoryError(1 << 40, 0)
+                return real(*a)
+            eng._device_forward = failing
+            with pytest.raises(GpuError, match="out of GPU memory"):
+                eng.forward([(s, toks)])
+            assert [e["graph"] for e in eng.backend._graph_cache.values()] == [None]
+            eng._device_forward = real
+        outs.append(eng.forward([(s, toks)])[0])
+        if graphs:
+            assert eng.backend._entry["graph"] is not None
+    assert_same(outs[1], outs[0], "after a failed capture")
+
+
 def test_kv_out_of_pages_fails_cleanly(models):
     """A step that cannot get KV pages fails before computing; other sequences are intact."""
     from node.backend_cuda import GpuError
