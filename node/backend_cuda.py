@@ -41,7 +41,7 @@ MQ_NIBBLES = ("Q4_0", "Q4_1", "Q4_K")  # weight types whose matmul_q records hol
 MQ_SCALES = 128  # bytes of a record's scale words
 PACK_ROWS = 8192  # rows packed at a time (bounds the packing's temporary memory)
 MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
-GRAPH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # tokens of a step replayed through a CUDA graph
+GRAPH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512)  # tokens of a step replayed by a graph
 GRAPH_ROWS = (1, 2, 4, 8, 16, 32, 64)  # logits rows (sequences) of a step replayed through a CUDA graph
 
 
@@ -319,6 +319,21 @@ def _check(cond: bool, what: str) -> None:
         raise ValueError(f"kernel launch shape check failed: {what}")
 
 
+def _malloc_no_retry(size: int):
+    """Base allocator of the graphs' memory pool: device memory of ``size`` bytes, or
+    ``OutOfMemoryError`` at once. (CuPy's pool answers its base allocator's CUDA
+    out-of-memory error by freeing its free blocks and retrying; the graphs' free
+    blocks are scratch that captured graphs still write.)"""
+    import cupy as cp
+
+    try:
+        return cp.cuda.MemoryPointer(cp.cuda.Memory(size), 0)
+    except cp.cuda.runtime.CUDARuntimeError as e:
+        if e.status != cp.cuda.runtime.errorMemoryAllocation:
+            raise
+        raise cp.cuda.memory.OutOfMemoryError(size, -1) from None
+
+
 class CudaBackend:
     name = "cuda"
 
@@ -386,7 +401,8 @@ class CudaBackend:
         self.max_splits = -(-n_ctx // SPLIT_KV)
         self._graph_cache: dict[tuple, dict] = {}
         self._graph_pool = None           # the memory of every captured graph (they run one at a time)
-        self._graph_logits = None         # pinned host logits [GRAPH_ROWS[-1], n_vocab] of a replayed step
+        self._graph_out = None            # device logits [GRAPH_ROWS[-1], n_vocab] every graph ends by writing
+        self._graph_logits = None         # their pinned host copy
         self._entry = None
         self._last = None                 # device logits [R, n_vocab] of the last step (for sample_last)
         self._device_record = None
@@ -906,8 +922,11 @@ class CudaBackend:
         live in one pinned host buffer mirrored by one device buffer, so a step
         uploads them with a single asynchronous copy; the logits come back into a
         pinned buffer. Every graph takes its memory from one pool: graphs run one
-        at a time, each rewrites its inputs before it runs, and a step reads its
-        logits before the next step runs, so graphs may share their scratch memory."""
+        at a time, each rewrites its inputs before it runs, and each ends by
+        copying its logits into one buffer that a step reads before the next step
+        runs, so graphs share their scratch memory. The pool never frees a block
+        (its base allocator fails at once instead of letting the pool free its
+        free blocks and retry): a captured graph keeps using its scratch."""
         cp = self.cp
         import cupyx
 
@@ -915,7 +934,9 @@ class CudaBackend:
                   ("page", np.int32, mb), ("slot", np.int32, mb), ("qpos", np.int32, mb))
         size = sum(np.dtype(t).itemsize * n for _, t, n in layout)
         if self._graph_pool is None:
-            self._graph_pool = cp.cuda.MemoryPool()
+            self._graph_pool = cp.cuda.MemoryPool(_malloc_no_retry)
+            with cp.cuda.using_allocator(self._graph_pool.malloc):
+                self._graph_out = cp.empty((GRAPH_ROWS[-1], self.hp.n_vocab), cp.float32)
             self._graph_logits = cupyx.empty_pinned((GRAPH_ROWS[-1], self.hp.n_vocab), np.float32)
         with cp.cuda.using_allocator(self._graph_pool.malloc):
             dev_raw = cp.zeros(size, cp.uint8)
@@ -961,12 +982,13 @@ class CudaBackend:
                 self.stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
                 try:
                     out = forward(d["tok"], d["pos"], d["rows"])
+                    self._graph_out[:out.shape[0]] = out   # its scratch from here on
                 finally:   # a capture that failed half-way (out of memory) is dropped, not kept
                     graph = self.stream.end_capture()
-                e["out"], e["graph"] = out, graph
+                e["graph"] = graph
         e["graph"].launch(self.stream)
-        self._last = e["out"][:r]
-        e["out"][:r].get(self.stream, out=self._graph_logits[:r])
+        self._last = self._graph_out[:r]
+        self._last.get(self.stream, out=self._graph_logits[:r])
         self.stream.synchronize()
         return self._graph_logits[:r].copy()
 
