@@ -27,6 +27,7 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger("bitexact.scheduler")
 STEP_TOKENS = {"cpu": 32, "cuda": 2048}  # tokens per step by default: a CPU prefills about 13 tokens/s
+STOP_SECONDS = 30.0  # how long stop() waits for the step under way
 DIGEST_THREADS = min(8, os.cpu_count() or 1)  # a step's logits rows are hashed in parallel (hashlib frees the GIL)
 
 
@@ -119,12 +120,16 @@ class Scheduler:
             return not (self._waiting or self._active)
 
     def stop(self) -> None:
-        """Stop the worker; jobs still queued or active get a Draining error."""
+        """Stop the worker; jobs still queued or active get a Draining error. A
+        worker still inside an engine step after :data:`STOP_SECONDS` (a hung GPU
+        or rank) is logged and left behind (a daemon thread), so shutdown ends."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join()
-        self._hashers.shutdown()
+        self._thread.join(STOP_SECONDS)
+        if self._thread.is_alive():
+            log.error("the engine worker did not stop within %g s (a step is stuck); leaving it", STOP_SECONDS)
+        self._hashers.shutdown(wait=False)
 
     # ---- worker ------------------------------------------------------------
     def _release(self, job: Job) -> None:

@@ -7,7 +7,7 @@ bytes of address space (``RLIMIT_AS``), inside jinja2's immutable sandbox, for
 at most :data:`TEMPLATE_STEPS` Python line events and :data:`TEMPLATE_SECONDS`
 seconds, returning at most :data:`TEMPLATE_OUTPUT` characters. Compiling
 counts too (jinja2 folds constant expressions while it compiles); the worker
-keeps the last :data:`TEMPLATE_CACHE` templates it compiled, so a node
+keeps the :data:`TEMPLATE_CACHE` templates it used last, compiled, so a node
 compiles its model's template once. One worker serves the whole process, one
 rendering at a time; it is replaced when it crashes or runs out of time.
 """
@@ -55,8 +55,8 @@ def _raise_exception(msg):
 
 
 def _render_bounded(source: str, context: dict) -> str:
-    """Render ``source`` with ``context``, compiling it first unless one of the
-    last :data:`TEMPLATE_CACHE` calls did (compiling about 5 ms under the step
+    """Render ``source`` with ``context``, compiling it first unless it is one of
+    the :data:`TEMPLATE_CACHE` sources used last (compiling takes about 5 ms under the step
     count, rendering a chat well under one), stopped after
     :data:`TEMPLATE_STEPS` Python line events in all (jinja2 compiles a template
     to Python, so every loop iteration of it is counted); raises
@@ -73,14 +73,14 @@ def _render_bounded(source: str, context: dict) -> str:
     saved = sys.gettrace()
     sys.settrace(trace)
     try:
-        template = _COMPILED.get(source)
+        template = _COMPILED.pop(source, None)
         if template is None:
             env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
             template = env.from_string(source)
             while len(_COMPILED) >= TEMPLATE_CACHE:
-                _COMPILED.pop(next(iter(_COMPILED)))   # the oldest
-            _COMPILED[source] = template
+                _COMPILED.pop(next(iter(_COMPILED)))   # the least recently used
+        _COMPILED[source] = template                  # now the most recently used
         text = template.render(**context)
     finally:
         sys.settrace(saved)
@@ -93,7 +93,7 @@ def _render_bounded(source: str, context: dict) -> str:
     return text
 
 
-_COMPILED: dict[str, jinja2.Template] = {}   # source text -> compiled template, oldest first
+_COMPILED: dict[str, jinja2.Template] = {}   # source text -> compiled template, least recently used first
 
 
 def _worker(conn) -> None:

@@ -187,8 +187,8 @@ def test_a_dead_template_process_is_one_request_error_and_is_replaced():
 
 def test_compiled_templates_are_kept_per_source_and_bounded():
     """The template worker compiles a source once and renders it with each call's own
-    context; it keeps at most TEMPLATE_CACHE sources, and a source whose compiling runs
-    out of steps is not kept: it fails again, under the same step count, on every call."""
+    context; it keeps the TEMPLATE_CACHE sources used last, and a source whose compiling
+    runs out of steps is not kept: it fails again, under the same step count, on every call."""
     from node import template
     template._COMPILED.clear()
     src = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
@@ -197,7 +197,11 @@ def test_compiled_templates_are_kept_per_source_and_bounded():
     assert list(template._COMPILED) == [src]
     for i in range(template.TEMPLATE_CACHE + 2):
         assert template._render_bounded(f"{{{{ {i} }}}}", {}) == str(i)
-    assert len(template._COMPILED) == template.TEMPLATE_CACHE and src not in template._COMPILED
+        assert template._render_bounded(src, {"messages": []}) == ""   # used again each time: kept
+    assert len(template._COMPILED) == template.TEMPLATE_CACHE and src in template._COMPILED
+    for i in range(template.TEMPLATE_CACHE):
+        template._render_bounded(f"{{{{ {i} }}}}!", {})
+    assert src not in template._COMPILED
     slow = "{{ " + " + ".join(["1"] * 200) + " }}"   # constant folding while compiling
     old = template.TEMPLATE_STEPS
     try:
@@ -524,3 +528,42 @@ def test_a_bug_freeing_a_sequence_still_answers_and_keeps_the_worker(caplog):
         sched.stop()
     assert ends == ["done", "done"]
     assert "planted bug in release" in caplog.text
+
+
+def test_stop_leaves_a_step_that_never_ends_behind(monkeypatch, caplog):
+    """stop() waits STOP_SECONDS for the engine step under way; a step that never ends
+    (a hung GPU or rank) is logged and left behind, so a node's shutdown still ends."""
+    import threading
+
+    from node import scheduler
+    from node.gguf_model import default_model_path
+    from node.generate import Request, build_request
+    from node.tokenizer import Tokenizer
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+    entered, release = threading.Event(), threading.Event()
+
+    class Stuck:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def forward(self, chunks, all_logits=False):
+            entered.set()
+            release.wait(60)
+            raise RuntimeError("released")
+
+    monkeypatch.setattr(scheduler, "STOP_SECONDS", 0.3)
+    sched = scheduler.Scheduler(Stuck(Engine(model, n_ctx=256)), tok)
+    ends = []
+    sched.submit(build_request(Request(prompt="Hi", max_tokens=1), tok, 256), lambda kind, value: ends.append(kind))
+    assert entered.wait(60)
+    t0 = time.monotonic()
+    sched.stop()
+    assert time.monotonic() - t0 < 5 and sched._thread.is_alive()
+    assert "did not stop within 0.3 s" in caplog.text
+    release.set()                 # the step ends at last: the worker fails its request and exits
+    sched._thread.join(60)
+    assert not sched._thread.is_alive() and ends == ["error"]
