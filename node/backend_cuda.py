@@ -977,12 +977,14 @@ class CudaBackend:
         h["rows"][:r], h["rows"][r:] = rows, e["tokens"] - 1
         e["dev_raw"].set(e["host_raw"], self.stream)
         if e["graph"] is None:
+            def step():   # the forward pass, then its logits into the graphs' one output buffer
+                out = forward(d["tok"], d["pos"], d["rows"])
+                self._graph_out[:out.shape[0]] = out     # out itself is scratch once captured
             with cp.cuda.using_allocator(self._graph_pool.malloc):
-                forward(d["tok"], d["pos"], d["rows"])          # warm the pool: no cudaMalloc in capture
+                step()          # warm the pool and load every kernel: no cudaMalloc or module load in capture
                 self.stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
                 try:
-                    out = forward(d["tok"], d["pos"], d["rows"])
-                    self._graph_out[:out.shape[0]] = out   # its scratch from here on
+                    step()
                 finally:   # a capture that failed half-way (out of memory) is dropped, not kept
                     graph = self.stream.end_capture()
                 e["graph"] = graph
