@@ -24,6 +24,7 @@ import zlib
 import openai
 import pytest
 
+from planted import Wrapped
 from node.engine import Engine
 from node.generate import Request, build_request, generate
 from node.gguf_model import default_model_path, load_model
@@ -851,13 +852,7 @@ def test_an_engine_fault_is_a_500_with_one_log_line(key, tmp_path, caplog):
     tok = Tokenizer(load_model(default_model_path()))
     marker = tok.encode("Zebras")[-1]
 
-    class Faulty:
-        def __init__(self, engine):
-            self.engine = engine
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
+    class Faulty(Wrapped):
         def forward(self, chunks, all_logits=False):
             if any(marker in c for _, c in chunks):
                 raise NumericFault("NaN in logits: the forward pass faulted")

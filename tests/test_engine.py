@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from planted import Wrapped
 from node.engine import Engine
 from node.gguf_model import load_model
 from node.synth import write_model
@@ -228,14 +229,8 @@ def test_a_sampling_fault_fails_only_its_request():
     model = load_model(default_model_path())
     tok = Tokenizer(model)
 
-    class FaultOnSeed666:
+    class FaultOnSeed666(Wrapped):
         """The engine, except that a draw for seed 666 overflows."""
-        def __init__(self, engine):
-            self.engine = engine
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
         def sample(self, picks, logits):
             if any(p.seed == 666 for _, p, _ in picks):
                 raise NumericFault("logits / temperature 1e-06 overflow fp32")
@@ -308,15 +303,11 @@ def test_a_bug_in_a_step_fails_only_the_requests_that_hit_it(caplog):
     recs = [build_request(r, tok, 256) for r in reqs]
     marker = next(t for t in recs[0]["prompt_tokens"] if all(t not in r["prompt_tokens"] for r in recs[1:]))
 
-    class Buggy:
+    class Buggy(Wrapped):
         """The engine, except that a forward pass holding ``marker`` and a draw for seed
         666 raise. Like the CUDA engine it draws from the last forward pass's logits
         (row indices wrapping, as CuPy's do), not from the ones it is given."""
-        def __init__(self, engine):
-            self.engine, self.last = engine, None
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
+        last = None
 
         def forward(self, chunks, all_logits=False):
             if any(marker in c for _, c in chunks):
@@ -351,10 +342,9 @@ def test_a_broken_engine_still_answers_the_requests_of_its_failed_step():
     model = load_model(default_model_path())
     tok = Tokenizer(model)
 
-    class Broken:
+    class Broken(Wrapped):
         """The engine, broken after its first step: every later call raises."""
-        def __init__(self, engine):
-            self.engine, self.steps = engine, 0
+        steps = 0
 
         def __getattr__(self, name):
             if self.steps:
@@ -454,13 +444,11 @@ def test_a_cancelled_job_holds_no_place_while_its_step_runs():
     model = load_model(default_model_path())
     tok = Tokenizer(model)
 
-    class Gated:
+    class Gated(Wrapped):
         """The engine, except that its first forward pass waits for ``go``."""
         def __init__(self, engine):
-            self.engine, self.entered, self.go = engine, threading.Event(), threading.Event()
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
+            super().__init__(engine)
+            self.entered, self.go = threading.Event(), threading.Event()
 
         def forward(self, chunks, all_logits=False):
             if not self.entered.is_set():
@@ -503,13 +491,7 @@ def test_a_bug_freeing_a_sequence_still_answers_and_keeps_the_worker(caplog):
     model = load_model(default_model_path())
     tok = Tokenizer(model)
 
-    class LeakyRelease:
-        def __init__(self, engine):
-            self.engine = engine
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
+    class LeakyRelease(Wrapped):
         def release(self, seq):
             raise RuntimeError("planted bug in release")
 
@@ -543,13 +525,7 @@ def test_stop_leaves_a_step_that_never_ends_behind(monkeypatch, caplog):
     tok = Tokenizer(model)
     entered, release = threading.Event(), threading.Event()
 
-    class Stuck:
-        def __init__(self, engine):
-            self.engine = engine
-
-        def __getattr__(self, name):
-            return getattr(self.engine, name)
-
+    class Stuck(Wrapped):
         def forward(self, chunks, all_logits=False):
             entered.set()
             release.wait(60)
