@@ -378,7 +378,8 @@ async def _drain_on_first_signal(app) -> None:
     """``serve``'s on_startup hook: SIGINT / SIGTERM start the drain (aiohttp's
     GracefulExit), and as in :func:`_interrupted` the signals after the first do
     nothing, so a second one cannot cut the drain short (aiohttp's own handlers
-    would abort it, dropping the requests in flight, and exit 1)."""
+    would abort it, dropping the requests in flight, and exit 1), nor kill the
+    teardown that follows a drain which ended before it arrived."""
     import asyncio
 
     from aiohttp.web_runner import GracefulExit
@@ -386,6 +387,12 @@ async def _drain_on_first_signal(app) -> None:
     def once():
         if not _interrupted.seen:
             _interrupted.seen = True
+            # Ignored from now on, at the process level: the loop's own removal of
+            # its handlers (aiohttp's cleanup, loop.close) would restore the default
+            # ones, and a late signal would then kill the process mid-teardown.
+            for s in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(s)
+                signal.signal(s, signal.SIG_IGN)
             raise GracefulExit()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

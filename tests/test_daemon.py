@@ -887,6 +887,37 @@ def test_a_second_signal_does_not_cut_the_drain_short(key, tmp_path):
     assert "went away" not in d.proc.stderr.read()
 
 
+LATE_SIGNALS = """
+import asyncio, os, signal, time
+from aiohttp.web_runner import GracefulExit
+from node import cli
+
+async def drain():
+    await cli._drain_on_first_signal(None)
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.sleep(30)
+
+try:
+    asyncio.run(drain())
+except GracefulExit:
+    pass
+os.kill(os.getpid(), signal.SIGINT)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print("alive")
+"""
+
+
+def test_signals_after_the_drain_do_not_kill_the_teardown():
+    """On a fast engine the drain ends before a second signal arrives. The loop then
+    closes and removes its signal handlers; SIGINT and SIGTERM arriving after that,
+    while the node tears down, must still do nothing (before the fix they restored
+    the default handlers and killed the process with -2: seen on the GPU)."""
+    proc = subprocess.run([sys.executable, "-c", LATE_SIGNALS], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert (proc.returncode, proc.stdout.strip()) == (0, "alive"), proc.stderr[-2000:]
+
+
 def test_group_readable_key_refused(key, tmp_path):
     bad = tmp_path / "bad.pem"
     bad.write_bytes(open(key, "rb").read())
