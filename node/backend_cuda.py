@@ -402,7 +402,6 @@ class CudaBackend:
         self._graph_cache: dict[tuple, dict] = {}
         self._graph_pool = None           # the memory of every captured graph (they run one at a time)
         self._graph_out = None            # device logits [GRAPH_ROWS[-1], n_vocab] every graph ends by writing
-        self._graph_logits = None         # their pinned host copy
         self._entry = None
         self._last = None                 # device logits [R, n_vocab] of the last step (for sample_last)
         self._device_record = None
@@ -920,8 +919,8 @@ class CudaBackend:
         """Buffers of the graph of ``mb`` tokens, ``rb`` logits rows and ``ms`` KV
         splits. The step's inputs (token ids, positions, logits rows, page tables)
         live in one pinned host buffer mirrored by one device buffer, so a step
-        uploads them with a single asynchronous copy; the logits come back into a
-        pinned buffer. Every graph takes its memory from one pool: graphs run one
+        uploads them with a single asynchronous copy; the logits come back into
+        pinned host memory (:meth:`_run`). Every graph takes its memory from one pool: graphs run one
         at a time, each rewrites its inputs before it runs, and each ends by
         copying its logits into one buffer that a step reads before the next step
         runs, so graphs share their scratch memory. The pool never frees a block
@@ -937,7 +936,6 @@ class CudaBackend:
             self._graph_pool = cp.cuda.MemoryPool(_malloc_no_retry)
             with cp.cuda.using_allocator(self._graph_pool.malloc):
                 self._graph_out = cp.empty((GRAPH_ROWS[-1], self.hp.n_vocab), cp.float32)
-            self._graph_logits = cupyx.empty_pinned((GRAPH_ROWS[-1], self.hp.n_vocab), np.float32)
         with cp.cuda.using_allocator(self._graph_pool.malloc):
             dev_raw = cp.zeros(size, cp.uint8)
         host_raw = cupyx.zeros_pinned(size, np.uint8)
@@ -951,7 +949,8 @@ class CudaBackend:
         return {"graph": None, "tokens": mb, "host_raw": host_raw, "dev_raw": dev_raw, "host": host, "dev": dev}
 
     def run(self, forward, tok, pos, rows) -> np.ndarray:
-        """Run the engine's device pass; returns host fp32 logits ``[R, n_vocab]``.
+        """Run the engine's device pass; returns host fp32 logits ``[R, n_vocab]`` (pinned
+        memory of their own on replayed steps).
 
         A step :meth:`begin_step` fitted to a graph replays it, captured on first
         use in the graphs' memory pool (so no allocation outside graphs can reuse
@@ -967,6 +966,7 @@ class CudaBackend:
 
     def _run(self, forward, tok, pos, rows, e):
         cp = self.cp
+        import cupyx
         if e is None:
             self._last = forward(cp.asarray(tok), cp.asarray(pos), cp.asarray(rows))
             return self.to_host(self._last)
@@ -990,9 +990,12 @@ class CudaBackend:
                 e["graph"] = graph
         e["graph"].launch(self.stream)
         self._last = self._graph_out[:r]
-        self._last.get(self.stream, out=self._graph_logits[:r])
+        # Pinned host memory of its own (CuPy's pinned pool takes it back when the caller
+        # drops it), one size per row bucket: no host copy after the transfer.
+        host = cupyx.empty_pinned((e["host"]["rows"].size, self.hp.n_vocab), np.float32)[:r]
+        self._last.get(self.stream, out=host)
         self.stream.synchronize()
-        return self._graph_logits[:r].copy()
+        return host
 
     def attend(self, layer, q, k, v, cos, sin, feeds=()):
         """RoPE of q (fp32 ``[M, H, hd]``) and k (fp32 ``[M, Hkv, hd]``) with the step's

@@ -238,6 +238,7 @@ class Scheduler:
         so this follows that very step) and pass them to their requests."""
         due = [(i, job.gen.due(len(c))) for i, (job, c) in enumerate(zip(ready, chunks))]
         picks = [(i, ready[i].gen.params, pos) for i, pos in due if pos is not None]
+        sums = self._hashers.map(logits_digest, [outs[i] for i, _, _ in picks])   # hashed while drawing
         try:
             toks = self.engine.sample(picks, outs)
         except Exception as batch_err:   # noqa: BLE001 - e.g. logits / temperature overflow: find the rows
@@ -250,7 +251,6 @@ class Scheduler:
                 except Exception as e:   # noqa: BLE001
                     self._drop(ready[pick[0]], _as_request_error(e))
                     toks.append(None)
-        sums = self._hashers.map(logits_digest, [outs[i] for i, _, _ in picks])
         sampled = 0
         for (i, _, _), t, sha in zip(picks, toks, sums):
             if t is None:
