@@ -726,15 +726,29 @@ class CudaBackend:
         return out
 
     def sample_last(self, rows, params, positions) -> list[int]:
-        """:meth:`sample` over rows ``rows`` of the last step's device logits (valid until
-        the next step); returns host token ids."""
+        """Token ids for rows ``rows`` of the last step's device logits (valid until the
+        next step): ``argmax`` for greedy rows (temperature 0), :meth:`sample` for the
+        others; returns host token ids in the order of ``rows``."""
         cp = self.cp
+        greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
+        seeded = [i for i, p in enumerate(params) if p.temperature != 0.0]
         try:
             with self.stream:
-                lg = self._last[cp.asarray(np.asarray(rows, np.int64))]
-                return self.to_host(self.sample(lg, list(params), list(positions))).tolist()
+                def pick(idx):
+                    return self._last[cp.asarray(np.asarray([rows[i] for i in idx], np.int64))]
+                ids = []
+                if greedy:
+                    ids.append(self.launch_argmax(pick(greedy))[0])
+                if seeded:
+                    ids.append(self.sample(pick(seeded), [params[i] for i in seeded],
+                                           [positions[i] for i in seeded]))
+                host = self.to_host(cp.concatenate(ids)).tolist()
         except cp.cuda.memory.OutOfMemoryError as err:
             raise GpuError(f"out of GPU memory while sampling {len(rows)} rows: {err}") from None
+        out = [0] * len(rows)
+        for i, t in zip(greedy + seeded, host):
+            out[i] = t
+        return out
 
     def launch_tp_combine(self, partials):
         """fp32 partials [T, M, N] of a row-parallel product (rank order) -> fp32 [M, N]."""

@@ -150,17 +150,17 @@ class Engine:
         """Token ids for rows of the last :meth:`forward` step (``all_logits`` off).
 
         ``picks``: ``(row, SamplingParams, position)``; ``logits``: that step's
-        result. On the CUDA backend seeded rows are drawn on the GPU from the
-        step's device logits (:meth:`sample_on_device`); greedy rows and the CPU
-        backend use node/sampler.py on the host (:func:`draw_rows`). Raises
+        result. On the CUDA backend the rows are drawn on the GPU from the step's
+        device logits (:meth:`sample_on_device`); the CPU backend uses
+        node/sampler.py on the host (:func:`draw_rows`). Raises
         :class:`NumericFault` when ``logits / temperature`` of a row overflows fp32.
         """
         return draw_rows(picks, logits, self.sample_on_device if self.device == "cuda" else None)
 
     def sample_on_device(self, picks) -> list[int]:
-        """Token ids of seeded ``picks`` (temperature > 0) drawn on the GPU from the
-        last step's device logits (``CudaBackend.sample_last``, the twin of
-        node/sampler.py ``sample``: the same ids). CUDA backend only."""
+        """Token ids of ``picks`` drawn on the GPU from the last step's device logits
+        (``CudaBackend.sample_last``, the twin of node/sampler.py ``sample``: the
+        same ids). CUDA backend only."""
         return self.backend.sample_last(*zip(*picks))
 
     def _device_forward(self, tok, pos, rows):
@@ -190,19 +190,13 @@ class Engine:
 
 def draw_rows(picks, logits, device_draw=None) -> list[int]:
     """Token ids for ``picks`` ``(row, SamplingParams, position)`` over one step's
-    ``logits`` (fp32 ``[n_vocab]`` rows, indexed by row): the seeded rows through
-    ``device_draw`` (a list of picks -> their ids, drawn on the GPU) when given,
-    every other row on the host (node/sampler.py ``sample_rows``). Raises
-    :class:`RequestError` for rows of an ``all_logits`` step, :class:`NumericFault`
-    when ``logits / temperature`` of a row overflows fp32."""
+    ``logits`` (fp32 ``[n_vocab]`` rows, indexed by row): through ``device_draw``
+    (a list of picks -> their ids, drawn on the GPU from the step's device
+    logits) when given, else on the host (node/sampler.py ``sample_rows``).
+    Raises :class:`RequestError` for rows of an ``all_logits`` step,
+    :class:`NumericFault` when ``logits / temperature`` of a row overflows fp32."""
     if any(np.ndim(logits[r]) != 1 for r, _, _ in picks):
         raise RequestError("sample takes the rows of a forward step without all_logits")
-    out: list[int | None] = [None] * len(picks)
-    seeded = [i for i, (_, p, _) in enumerate(picks) if p.temperature != 0.0] if device_draw else []
-    if seeded:
-        for i, t in zip(seeded, device_draw([picks[i] for i in seeded])):
-            out[i] = t
-    rest = [i for i, t in enumerate(out) if t is None]
-    for i, t in zip(rest, sample_rows(logits, [picks[i] for i in rest])):
-        out[i] = t
-    return out
+    if not picks:
+        return []
+    return device_draw(picks) if device_draw else sample_rows(logits, picks)

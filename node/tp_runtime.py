@@ -413,12 +413,12 @@ class TpEngine:
 
     def sample(self, picks, logits) -> list[int]:
         """Token ids for rows of the last :meth:`forward` (see
-        :meth:`node.engine.Engine.sample`). On GPU ranks the seeded rows are
-        drawn on the GPUs from the step's gathered device logits, which every
-        rank holds alike (:meth:`node.engine.Engine.sample_on_device`; rank 0's
-        ids are returned); greedy rows, and every row on CPU ranks, on the host."""
+        :meth:`node.engine.Engine.sample`). On GPU ranks the rows are drawn on
+        the GPUs from the step's gathered device logits, which every rank holds
+        alike (:meth:`node.engine.Engine.sample_on_device`; rank 0's ids are
+        returned); on CPU ranks, on the host."""
         cuda = self.device == "cuda"
-        return draw_rows(picks, logits, (lambda seeded: self._call("sample_on_device", seeded)) if cuda else None)
+        return draw_rows(picks, logits, (lambda picks: self._call("sample_on_device", picks)) if cuda else None)
 
     def close(self) -> None:
         """Stop the rank processes and free the shared memory (idempotent)."""

@@ -247,9 +247,10 @@ def test_sampler_twins(backends, v):
 
 
 def test_engine_draws_on_the_gpu_like_the_host(models):
-    """Engine.sample on the CUDA backend (seeded rows drawn from the last step's
-    device logits: an eager prefill step, then graph-replayed decode steps; picks
-    out of row order, one greedy) gives node/sampler.py's ids for every row."""
+    """Engine.sample on the CUDA backend (rows drawn from the last step's device
+    logits: an eager prefill step, then graph-replayed decode steps; picks out of
+    row order, two greedy, then a step of greedy rows only) gives
+    node/sampler.py's ids for every row."""
     from node.sampler import SamplingParams, sample
     eng = Engine(models["Q8_0"], "cuda", pin=None, kv_pages=64)
     rng = np.random.default_rng(8)
@@ -258,11 +259,36 @@ def test_engine_draws_on_the_gpu_like_the_host(models):
     for step in range(4):
         params = [SamplingParams(0.5 + 0.3 * i, (0, 1, 7, 0, 50)[i], (1.0, 0.9, 0.5, 0.2, 1.0)[i], 1000 * step + i)
                   for i in range(5)]
-        params[2] = SamplingParams()
+        params[2] = params[4] = SamplingParams()
+        if step == 3:
+            params = [SamplingParams()] * 5
         picks = [(i, params[i], 20 + step) for i in range(5)][::-1]
         got = eng.sample(picks, outs)
         assert got == [sample(outs[r], p, pos) for r, p, pos in picks]
         outs = eng.forward([(s, [t]) for s, t in zip(seqs, got[::-1])])
+
+
+def test_greedy_draws_on_the_gpu_take_the_lowest_id_among_maxima(models):
+    """CudaBackend.sample_last's greedy rows (the argmax kernel) on crafted logits:
+    ties between +0 and -0 and between equal maxima, a row of -inf, a maximum of
+    +inf, the last id: numpy.argmax's ids, mixed with a seeded row."""
+    from node.backend_cuda import CudaBackend
+    from node.sampler import SamplingParams, sample
+    be = CudaBackend(models["Q8_0"], pin=None, kv_pages=4)
+    v = 1000
+    rows = np.random.default_rng(3).standard_normal((6, v)).astype(np.float32)
+    rows[0, :] = 0.0
+    rows[0, :7] = -0.0
+    rows[1, [5, 17, 900]] = 9.0
+    rows[2, :] = -np.inf
+    rows[3, [40, 41]] = np.inf
+    rows[4, -1] = 50.0
+    be._last = be.from_host(rows)
+    params = [SamplingParams()] * 5 + [SamplingParams(0.7, 0, 1.0, 11)]
+    order = [5, 3, 0, 4, 1, 2]
+    got = be.sample_last(order, [params[r] for r in order], [9] * 6)
+    assert got == [sample(rows[r], params[r], 9) for r in order]
+    assert got[1:] == [40, 0, v - 1, 5, 0]
 
 
 def test_attention_twin_multi_split(models):
