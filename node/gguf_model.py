@@ -47,7 +47,7 @@ class HParams:
     n_ctx_train: int
     rms_eps: float  # value of llama.attention.layer_norm_rms_epsilon, rounded to fp32
     rope_base: float
-    rope_freq_scale: float  # 1 / llama.rope.scaling.factor for linear scaling, else 1
+    rope_freq_scale: float  # 1 / the scaling factor for linear scaling (docs/determinism.md §7), else 1
 
 
 @dataclass
@@ -176,17 +176,20 @@ def load_model(path: str) -> Model:
         raise ModelError("required tensor token_embd.weight is missing")
     n_vocab = tensors["token_embd.weight"].rows
     head_dim = num("rope.dimension_count", int, n_embd // n_head)
-    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    # As llama.cpp reads them (llama-model.cpp, load_hparams): an absent type is linear; the
+    # factor is rope.scaling.factor, else the older rope.scale_linear; absent or 0: no scaling.
+    scaling = _field(reader, "llama.rope.scaling.type", "linear")
     if scaling not in ("none", "linear"):
         raise ModelError(f"unsupported RoPE scaling type {scaling!r} (supported: none, linear)")
-    factor = num("rope.scaling.factor", float, 1.0)
+    key = "rope.scaling.factor" if "llama.rope.scaling.factor" in reader.fields else "rope.scale_linear"
+    factor = num(key, float, 0.0, ok=lambda v: v >= 0)
     hp = HParams(
         n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, n_ff=num("feed_forward_length", int),
         n_ctx_train=num("context_length", int, 2048),
         rms_eps=float(np.float32(num("attention.layer_norm_rms_epsilon", float, ok=lambda v: 0 < v < 1))),
         rope_base=num("rope.freq_base", float, 10000.0, ok=lambda v: v > 1),
-        rope_freq_scale=1.0 / factor if scaling == "linear" else 1.0,
+        rope_freq_scale=1.0 / factor if scaling == "linear" and factor else 1.0,
     )
     if n_head % n_head_kv or head_dim * n_head != n_embd or head_dim % 2:
         raise ModelError(f"inconsistent head layout: n_embd={n_embd} n_head={n_head} "

@@ -108,11 +108,30 @@ def test_store_get_returns_the_file_its_id_names(tmp_path):
     ({"llama.block_count": float("inf")}, "block_count is not a finite number: inf"),
     ({"llama.context_length": float("inf")}, "context_length is not a finite number: inf"),
     ({"llama.embedding_length": 1e30}, "head layout"),   # an integer past 2**64: no numpy TypeError
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "unsupported RoPE scaling type 'yarn'"),
+    ({"llama.rope.scaling.factor": -2.0}, "rope.scaling.factor has an invalid value"),
+    ({"llama.rope.scale_linear": float("nan")}, "rope.scale_linear is not a finite number|invalid value"),
+    ({"llama.rope.dimension_count": 8}, "head layout"),   # partial rotary: not the llama layout
 ])
 def test_malformed_metadata_is_a_model_error(tmp_path, metadata, needle):
     path = write_model(str(tmp_path / "bad.gguf"), "tiny", "Q8_0", metadata=metadata)
     with pytest.raises(ModelError, match=needle):
         load_model(path)
+
+
+@pytest.mark.parametrize("metadata,scale", [
+    ({}, 1.0),
+    ({"llama.rope.scaling.factor": 4.0}, 0.25),                   # no type: linear, as llama.cpp reads it
+    ({"llama.rope.scale_linear": 2.0}, 0.5),                      # the older key
+    ({"llama.rope.scaling.factor": 4.0, "llama.rope.scale_linear": 2.0}, 0.25),
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, 1.0),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, 1.0),   # 0: no scaling
+])
+def test_rope_scaling_metadata_reads_as_llama_cpp_reads_it(tmp_path, metadata, scale):
+    """docs/determinism.md section 7: the RoPE frequency scale from the GGUF keys
+    (tests/test_fidelity.py checks the logits against llama.cpp's)."""
+    model = load_model(write_model(str(tmp_path / "m.gguf"), "tiny", "Q8_0", metadata=metadata))
+    assert model.hparams.rope_freq_scale == scale
 
 
 @pytest.mark.parametrize("metadata", [{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1e-39},
