@@ -161,6 +161,8 @@ def _serve(args, tok, key, engine) -> None:
     except OSError as e:
         why = (e.strerror or str(e)).split(" (while attempting")[0]   # create_server appends the address
         raise BitexactError(f"cannot listen on {args.host}:{args.port}: {why}") from None
+    except UnicodeError as e:   # getaddrinfo encodes a host name with the idna codec (a label over 63 characters)
+        raise BitexactError(f"cannot listen on {args.host}:{args.port}: not a valid host name ({e})") from None
     try:
         node = Node(engine, tok, key, args.data_dir, args.max_batch, args.max_queue,
                     max_tokens_cap=min(args.max_tokens_cap, engine.n_ctx), pin=args.pin,

@@ -896,13 +896,14 @@ def test_serve_rejects_bad_options_and_foreign_stores(art, tmp_path, args, needl
     assert needle in assert_input_error(p)
 
 
-@pytest.mark.parametrize("where", ["busy port", "bad host"])
+@pytest.mark.parametrize("where", ["busy port", "bad host", "host name past IDNA's limits"])
 def test_serve_that_cannot_listen_fails_cleanly_without_a_banner_or_a_store(art, tmp_path, where):
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        addr = ["--port", s.getsockname()[1]] if where == "busy port" else ["--host", "256.1.1.1"]
+        addr = {"busy port": ["--port", s.getsockname()[1]], "bad host": ["--host", "256.1.1.1"],
+                "host name past IDNA's limits": ["--host", "a" * 64 + ".example"]}[where]
         p = bx(tmp_path, "serve", "--key", art.key, "--device", "cpu", *addr, "--data-dir", tmp_path / "data",
                timeout=120)
     assert "cannot listen" in assert_input_error(p)
