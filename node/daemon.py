@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import sqlite3
+import sys
 import time
 import uuid
 import zlib
@@ -126,8 +127,8 @@ def decode_body(raw: bytes, coding: str, limit: int) -> bytes:
     wbits = 16 + zlib.MAX_WBITS if coding == "gzip" else zlib.MAX_WBITS if raw[:1] and raw[0] & 0x0F == 8 \
         else -zlib.MAX_WBITS
     d = zlib.decompressobj(wbits)
-    try:
-        out = d.decompress(raw, limit + 1)
+    try:   # zlib takes a C ssize_t as its output bound; no body past that fits in memory anyway
+        out = d.decompress(raw, min(limit, sys.maxsize - 1) + 1)
     except zlib.error as e:
         raise ApiError(400, f"the request body could not be read: {coding}: {e}") from None
     if len(out) > limit:

@@ -310,6 +310,14 @@ def test_undecodable_content_encoding_is_a_400(daemon):
     assert daemon.post_raw("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())[0] == 200
 
 
+def test_a_body_limit_past_zlib_s_output_bound_still_decodes_coded_bodies():
+    """--max-body-bytes 9223372036854775807 is past what zlib takes as an output bound
+    (a C ssize_t): a gzip or deflate body still decodes (it was an OverflowError, a 500)."""
+    from node.daemon import decode_body
+    for coding, data in (("gzip", gzip.compress(b"{}")), ("deflate", zlib.compress(b"{}"))):
+        assert decode_body(data, coding, 2 ** 63 - 1) == b"{}"
+
+
 def _exchange(port, head: bytes, body: bytes = b"", body_after_100: bool = False) -> tuple[bytes, bytes]:
     """Send a raw request (its body only after a 100 when ``body_after_100``); returns the
     status codes received, space-separated, and the final response's body bytes."""
