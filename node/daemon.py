@@ -398,6 +398,8 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         try:
             if stream:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                if request.version < (1, 1):   # no chunked coding: the stream ends when the connection closes
+                    resp.force_close()         # (aiohttp would keep an HTTP/1.0 keep-alive connection open)
                 await resp.prepare(request)
                 if chat:
                     await _sse(resp, _chunk(rid, created, node.model_id, chat, {"role": "assistant", "content": ""}))

@@ -291,6 +291,22 @@ def test_neutral_values_of_unsupported_fields_are_accepted(daemon):
     assert daemon.post_raw("/v1/chat/completions", json.dumps(body).encode())[0] == 200
 
 
+def test_a_stream_to_an_http_1_0_keep_alive_client_ends_by_closing_the_connection(daemon):
+    """HTTP/1.0 has no chunked coding, so a stream's body ends when the connection
+    closes; with ``Connection: keep-alive`` aiohttp kept it open after the last event,
+    and the client waited for the end until the keep-alive timeout (75 s)."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2, "stream": True}).encode()
+    got = b""
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, events = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"keep-alive" not in head.lower(), head
+    assert events.endswith(b"data: [DONE]\n\n"), events[-200:]
+
+
 def test_declared_oversize_body_is_refused_before_it_arrives(daemon):
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=20) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
