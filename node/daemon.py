@@ -312,7 +312,10 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return ApiError(e.status, e.reason, "invalid_request_error").response()
+            resp = ApiError(e.status, e.reason, "invalid_request_error").response()
+            if "Allow" in e.headers:   # a 405 names the route's methods (RFC 9110 section 15.5.6)
+                resp.headers["Allow"] = e.headers["Allow"]
+            return resp
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:   # noqa: BLE001 - a bug must not leave a plain-text 500

@@ -435,6 +435,18 @@ def test_unknown_routes_get_openai_style_json(daemon, method, path, status):
     assert e.value.code == status and json.loads(e.value.read())["error"]["message"]
 
 
+@pytest.mark.parametrize("method,path,allow", [("GET", "/v1/completions", {"POST"}),
+                                               ("POST", "/health", {"GET", "HEAD"})])
+def test_a_405_names_the_methods_the_route_takes(daemon, method, path, allow):
+    """RFC 9110 section 15.5.6: a 405 must carry an Allow header; the JSON form of
+    aiohttp's 405 had dropped it."""
+    req = urllib.request.Request(daemon.url + path, method=method, data=b"{}" if method == "POST" else None)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 405 and json.loads(e.value.read())["error"]["message"]
+    assert set((e.value.headers["Allow"] or "").split(",")) == allow, e.value.headers
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("stream", [False, True])
 def test_unknown_model_is_a_404_before_any_stream_bytes(daemon, path, stream):
