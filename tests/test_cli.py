@@ -818,6 +818,18 @@ def test_verify_refuses_signed_messages_of_the_wrong_shape(art, tmp_path, mode, 
         assert assert_input_error(bx(tmp_path, *args)) == f"bitexact: error: m.bxa: {error}"
 
 
+def test_inspect_json_escapes_what_the_plain_form_escapes(art, tmp_path):
+    """inspect --json keeps non-ASCII text as it is, but JSON escapes only C0 controls: a C1
+    control sequence introducer, a right-to-left override, DEL, a line separator and an
+    astral format character are written as \\u escapes too (they were written raw)."""
+    stops = ["\x9b31m", "\u202e", "\x7f", "\u2028", "\U000e0001", "caf\u00e9"]
+    write(tmp_path / "s.bxa", envelope.seal(_payload_with(art, ("request", "stop"), stops), art.private_key()))
+    r = bx(tmp_path, "inspect", "s.bxa", "--json")
+    assert r.returncode == 0, r.stderr
+    assert not any(c in r.stdout for c in "\x9b\u202e\x7f\u2028\U000e0001"), r.stdout
+    assert "caf\u00e9" in r.stdout and json.loads(r.stdout)["request"]["stop"] == stops
+
+
 def test_inspect_escapes_control_characters_in_lists(art, tmp_path):
     """Stop strings (which the daemon accepts as given) holding a C1 control sequence
     introducer, a right-to-left override and an ESC are printed escaped, like single strings."""
