@@ -161,6 +161,8 @@ def _serve(args, tok, key, engine) -> None:
     except OSError as e:
         why = (e.strerror or str(e)).split(" (while attempting")[0]   # create_server appends the address
         raise BitexactError(f"cannot listen on {args.host}:{args.port}: {why}") from None
+    except UnicodeError as e:   # getaddrinfo encodes a host name with the idna codec (a label over 63 characters)
+        raise BitexactError(f"cannot listen on {args.host}:{args.port}: not a valid host name ({e})") from None
     try:
         node = Node(engine, tok, key, args.data_dir, args.max_batch, args.max_queue,
                     max_tokens_cap=min(args.max_tokens_cap, engine.n_ctx), pin=args.pin,
@@ -249,6 +251,14 @@ def cmd_verify(args) -> int:
     return EXIT_OK if rep.ok else EXIT_FAIL
 
 
+def _json_escape(c: str) -> str:
+    """``c`` as JSON's ``\\u`` escape (a UTF-16 surrogate pair above U+FFFF). json.dumps escapes
+    only C0 controls; inspect --json escapes every other character that is not printable
+    (C1 controls such as CSI, bidirectional overrides, DEL) with it, as the plain form does."""
+    b = c.encode("utf-16-be")
+    return "".join(f"\\u{b[i] << 8 | b[i + 1]:04x}" for i in range(0, len(b), 2))
+
+
 def cmd_inspect(args) -> int:
     from verify.verifier import read_attestation
 
@@ -257,9 +267,10 @@ def cmd_inspect(args) -> int:
     p = plain(read_attestation(args.file))
     if args.json:
         try:
-            print(json.dumps(p, indent=2, ensure_ascii=False, allow_nan=False))
+            text = json.dumps(p, indent=2, ensure_ascii=False, allow_nan=False)
         except ValueError:
             raise BitexactError(f"{args.file} holds a non-finite number, which JSON cannot carry") from None
+        print("".join(c if c.isprintable() or c == "\n" else _json_escape(c) for c in text))
         return EXIT_OK
     print("signature: valid (Ed25519, key id %s)" % p["signer"]["key_id"])
 

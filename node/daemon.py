@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import sqlite3
+import sys
 import time
 import uuid
 import zlib
@@ -126,8 +127,8 @@ def decode_body(raw: bytes, coding: str, limit: int) -> bytes:
     wbits = 16 + zlib.MAX_WBITS if coding == "gzip" else zlib.MAX_WBITS if raw[:1] and raw[0] & 0x0F == 8 \
         else -zlib.MAX_WBITS
     d = zlib.decompressobj(wbits)
-    try:
-        out = d.decompress(raw, limit + 1)
+    try:   # zlib takes a C ssize_t as its output bound; no body past that fits in memory anyway
+        out = d.decompress(raw, min(limit, sys.maxsize - 1) + 1)
     except zlib.error as e:
         raise ApiError(400, f"the request body could not be read: {coding}: {e}") from None
     if len(out) > limit:
@@ -311,7 +312,10 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return ApiError(e.status, e.reason, "invalid_request_error").response()
+            resp = ApiError(e.status, e.reason, "invalid_request_error").response()
+            if "Allow" in e.headers:   # a 405 names the route's methods (RFC 9110 section 15.5.6)
+                resp.headers["Allow"] = e.headers["Allow"]
+            return resp
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as e:   # noqa: BLE001 - a bug must not leave a plain-text 500
@@ -397,6 +401,8 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         try:
             if stream:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                if request.version < (1, 1):   # no chunked coding: the stream ends when the connection closes
+                    resp.force_close()         # (aiohttp would keep an HTTP/1.0 keep-alive connection open)
                 await resp.prepare(request)
                 if chat:
                     await _sse(resp, _chunk(rid, created, node.model_id, chat, {"role": "assistant", "content": ""}))

@@ -818,6 +818,18 @@ def test_verify_refuses_signed_messages_of_the_wrong_shape(art, tmp_path, mode, 
         assert assert_input_error(bx(tmp_path, *args)) == f"bitexact: error: m.bxa: {error}"
 
 
+def test_inspect_json_escapes_what_the_plain_form_escapes(art, tmp_path):
+    """inspect --json keeps non-ASCII text as it is, but JSON escapes only C0 controls: a C1
+    control sequence introducer, a right-to-left override, DEL, a line separator and an
+    astral format character are written as \\u escapes too (they were written raw)."""
+    stops = ["\x9b31m", "\u202e", "\x7f", "\u2028", "\U000e0001", "caf\u00e9"]
+    write(tmp_path / "s.bxa", envelope.seal(_payload_with(art, ("request", "stop"), stops), art.private_key()))
+    r = bx(tmp_path, "inspect", "s.bxa", "--json")
+    assert r.returncode == 0, r.stderr
+    assert not any(c in r.stdout for c in "\x9b\u202e\x7f\u2028\U000e0001"), r.stdout
+    assert "caf\u00e9" in r.stdout and json.loads(r.stdout)["request"]["stop"] == stops
+
+
 def test_inspect_escapes_control_characters_in_lists(art, tmp_path):
     """Stop strings (which the daemon accepts as given) holding a C1 control sequence
     introducer, a right-to-left override and an ESC are printed escaped, like single strings."""
@@ -896,13 +908,14 @@ def test_serve_rejects_bad_options_and_foreign_stores(art, tmp_path, args, needl
     assert needle in assert_input_error(p)
 
 
-@pytest.mark.parametrize("where", ["busy port", "bad host"])
+@pytest.mark.parametrize("where", ["busy port", "bad host", "host name past IDNA's limits"])
 def test_serve_that_cannot_listen_fails_cleanly_without_a_banner_or_a_store(art, tmp_path, where):
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        addr = ["--port", s.getsockname()[1]] if where == "busy port" else ["--host", "256.1.1.1"]
+        addr = {"busy port": ["--port", s.getsockname()[1]], "bad host": ["--host", "256.1.1.1"],
+                "host name past IDNA's limits": ["--host", "a" * 64 + ".example"]}[where]
         p = bx(tmp_path, "serve", "--key", art.key, "--device", "cpu", *addr, "--data-dir", tmp_path / "data",
                timeout=120)
     assert "cannot listen" in assert_input_error(p)

@@ -291,6 +291,22 @@ def test_neutral_values_of_unsupported_fields_are_accepted(daemon):
     assert daemon.post_raw("/v1/chat/completions", json.dumps(body).encode())[0] == 200
 
 
+def test_a_stream_to_an_http_1_0_keep_alive_client_ends_by_closing_the_connection(daemon):
+    """HTTP/1.0 has no chunked coding, so a stream's body ends when the connection
+    closes; with ``Connection: keep-alive`` aiohttp kept it open after the last event,
+    and the client waited for the end until the keep-alive timeout (75 s)."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2, "stream": True}).encode()
+    got = b""
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=20) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, events = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"keep-alive" not in head.lower(), head
+    assert events.endswith(b"data: [DONE]\n\n"), events[-200:]
+
+
 def test_declared_oversize_body_is_refused_before_it_arrives(daemon):
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=20) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -308,6 +324,14 @@ def test_undecodable_content_encoding_is_a_400(daemon):
     body = json.loads(e.value.read())
     assert e.value.code == 400 and "could not be read" in body["error"]["message"], body
     assert daemon.post_raw("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 1}).encode())[0] == 200
+
+
+def test_a_body_limit_past_zlib_s_output_bound_still_decodes_coded_bodies():
+    """--max-body-bytes 9223372036854775807 is past what zlib takes as an output bound
+    (a C ssize_t): a gzip or deflate body still decodes (it was an OverflowError, a 500)."""
+    from node.daemon import decode_body
+    for coding, data in (("gzip", gzip.compress(b"{}")), ("deflate", zlib.compress(b"{}"))):
+        assert decode_body(data, coding, 2 ** 63 - 1) == b"{}"
 
 
 def _exchange(port, head: bytes, body: bytes = b"", body_after_100: bool = False) -> tuple[bytes, bytes]:
@@ -409,6 +433,18 @@ def test_unknown_routes_get_openai_style_json(daemon, method, path, status):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == status and json.loads(e.value.read())["error"]["message"]
+
+
+@pytest.mark.parametrize("method,path,allow", [("GET", "/v1/completions", {"POST"}),
+                                               ("POST", "/health", {"GET", "HEAD"})])
+def test_a_405_names_the_methods_the_route_takes(daemon, method, path, allow):
+    """RFC 9110 section 15.5.6: a 405 must carry an Allow header; the JSON form of
+    aiohttp's 405 had dropped it."""
+    req = urllib.request.Request(daemon.url + path, method=method, data=b"{}" if method == "POST" else None)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 405 and json.loads(e.value.read())["error"]["message"]
+    assert set((e.value.headers["Allow"] or "").split(",")) == allow, e.value.headers
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
