@@ -115,7 +115,7 @@ class Engine:
         Returns, per chunk, fp32 logits ``[n_tokens, n_vocab]`` when
         ``all_logits`` else ``[n_vocab]`` for the chunk's last token.
         Raises :class:`RequestError` past the context length and
-        :class:`NumericFault` if a NaN appears.
+        :class:`NumericFault` if a NaN appears (no sequence grows then).
         """
         hp, be = self.hp, self.backend
         seqs = [s for s, _ in chunks]
@@ -138,10 +138,12 @@ class Engine:
         rows = np.arange(len(toks)) if all_logits else np.asarray([b - 1 for _, b in spans])
         be.begin_step([(seq, a, b) for (seq, _), (a, b) in zip(chunks, spans)], pos_arr, replay=not all_logits)
         logits = be.run(self._device_forward, tok_arr, pos_arr, rows)
+        if np.isnan(logits.max()):   # max propagates NaN: one pass, no mask array
+            # before the lengths move: a faulted step appends nothing (its KV entries lie past
+            # every sequence's length and are rewritten), so its chunks can be run again
+            raise NumericFault("NaN in logits: the forward pass faulted")
         for (seq, tk) in chunks:
             self._len[seq] += len(tk)
-        if np.isnan(logits.max()):   # max propagates NaN: one pass, no mask array
-            raise NumericFault("NaN in logits: the forward pass faulted")
         if all_logits:
             return [logits[a:b] for a, b in spans]
         return [logits[i] for i in range(len(chunks))]

@@ -21,7 +21,7 @@ from typing import Callable
 
 from attest.digest import logits_digest
 from .engine import Engine
-from .errors import BitexactError
+from .errors import BitexactError, NumericFault
 from .generate import PREFILL_CHUNK, Generation, Result
 from .tokenizer import Tokenizer
 
@@ -216,21 +216,36 @@ class Scheduler:
         ready, chunks = self._plan(ready)
         try:
             outs = self.engine.forward([(job.gen.seq, c) for job, c in zip(ready, chunks)])
+        except NumericFault as e:
+            # a NaN in some request's logits: the step appended nothing (Engine.forward), and a
+            # request's bytes do not depend on its batch, so run them one by one to fail only
+            # the requests whose own logits fault
+            if len(ready) == 1:
+                self._drop(ready[0], e)
+                return
+            log.warning("an engine step of %d requests faulted; running them one by one", len(ready))
+            self._one_by_one(ready, chunks)
+            return
         except BitexactError as e:   # e.g. KV cache full: fail this step's requests, keep serving
             for job in ready:
                 self._drop(job, e)
             return
         except Exception:   # noqa: BLE001 - a bug: find the requests that hit it
             log.exception("an engine step of %d requests failed; running them one by one", len(ready))
-            for job, c in zip(ready, chunks):   # each its own step: its draw reads its own logits
-                try:
-                    out = self.engine.forward([(job.gen.seq, c)])
-                except Exception as e:   # noqa: BLE001
-                    self._drop(job, _as_request_error(e))
-                    continue
-                self._draw_and_emit([job], [c], out)
+            self._one_by_one(ready, chunks)
             return
         self._draw_and_emit(ready, chunks, outs)
+
+    def _one_by_one(self, ready: list[Job], chunks: list[list[int]]) -> None:
+        """Each job's chunk as a step of its own, its draw reading its own logits; a job
+        whose step fails gets that error."""
+        for job, c in zip(ready, chunks):
+            try:
+                out = self.engine.forward([(job.gen.seq, c)])
+            except Exception as e:   # noqa: BLE001
+                self._drop(job, _as_request_error(e))
+                continue
+            self._draw_and_emit([job], [c], out)
 
     def _draw_and_emit(self, ready: list[Job], chunks: list[list[int]], outs: list) -> None:
         """Draw the tokens of the last engine step (``outs``: its logits, a row per

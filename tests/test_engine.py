@@ -543,3 +543,60 @@ def test_stop_leaves_a_step_that_never_ends_behind(monkeypatch, caplog):
     release.set()                 # the step ends at last: the worker fails its request and exits
     sched._thread.join(60)
     assert not sched._thread.is_alive() and ends == ["error"]
+
+
+def test_a_nan_in_one_request_of_a_step_fails_only_that_request():
+    """A NaN in one request's logits (a NumericFault of the forward pass) fails that
+    request only: the request stepped beside it ends with its solo digest, as it
+    would alone on an idle node. The faulted step appends nothing to any sequence
+    (Engine.forward raises before the lengths move), so its requests can be rerun."""
+    import threading
+
+    from node.errors import NumericFault
+    from node.gguf_model import default_model_path
+    from node.generate import Request, build_request, generate
+    from node.sampler import SamplingParams
+    from node.scheduler import Scheduler
+    from node.tokenizer import Tokenizer
+    model = load_model(default_model_path())
+    tok = Tokenizer(model)
+    recs = [build_request(Request(prompt=p, max_tokens=3, params=SamplingParams(0.8, 0, 1.0, 7)), tok, 256)
+            for p in ("Zebras and yaks.", "Name a colour.")]
+    marker = next(t for t in recs[0]["prompt_tokens"] if t not in recs[1]["prompt_tokens"])
+    want = generate(Engine(model, n_ctx=256), tok, recs[1]).digest
+
+    eng = Engine(model, n_ctx=256)
+    run = eng.backend.run
+
+    def nan_rows(forward, tok_ids, pos, rows):   # the logits row of a chunk holding the marker is NaN
+        out = np.array(run(forward, tok_ids, pos, rows))
+        for i, r in enumerate(rows):               # chunk i: tokens rows[i - 1] + 1 .. rows[i]
+            if marker in tok_ids[(rows[i - 1] + 1 if i else 0):r + 1].tolist():
+                out[i] = np.nan
+        return out
+    eng.backend.run = nan_rows
+
+    s1, s2 = eng.new_sequence(), eng.new_sequence()
+    with pytest.raises(NumericFault):
+        eng.forward([(s1, [marker, 1, 2]), (s2, [3, 4])])
+    assert (eng.length(s1), eng.length(s2)) == (0, 0)          # a faulted step appends nothing
+    eng.release(s1)
+    eng.release(s2)
+
+    ends, done = {}, threading.Event()
+
+    def on_event(i, kind, value):
+        if kind != "token":
+            ends[i] = (kind, value)
+            if len(ends) == 2:
+                done.set()
+
+    sched = Scheduler(eng, tok, max_batch=4)
+    try:
+        for i, r in enumerate(recs):
+            sched.submit(r, lambda kind, value, i=i: on_event(i, kind, value))
+        assert done.wait(300)
+    finally:
+        sched.stop()
+    assert ends[0][0] == "error" and isinstance(ends[0][1], NumericFault), ends[0]
+    assert ends[1][0] == "done" and ends[1][1].digest == want, ends[1]
