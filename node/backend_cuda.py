@@ -864,9 +864,10 @@ class CudaBackend:
     def kv_copy_prefix(self, src: int, dst: int, n: int) -> None:
         self._pages[dst] = []
         self._grow(dst, n)
-        for sp, dp in zip(self._pages[src], self._pages[dst]):
-            self.kp[:, dp] = self.kp[:, sp]
-            self.vp[:, dp] = self.vp[:, sp]
+        with self.stream:   # the steps' stream (non-blocking: the caller's default stream would not order the copies)
+            for sp, dp in zip(self._pages[src], self._pages[dst]):
+                self.kp[:, dp] = self.kp[:, sp]
+                self.vp[:, dp] = self.vp[:, sp]
 
     def graph_key(self, m: int, r: int, splits: int) -> tuple[int, int, int] | None:
         """The captured CUDA graph that a step of ``m`` tokens, ``r`` logits rows and
@@ -891,8 +892,12 @@ class CudaBackend:
         padding (every op is per token or per row, and a split past a token's
         position adds nothing).
         """
-        with self.stream:
-            self._begin_step(spans, pos, replay)
+        self._entry = None
+        try:
+            with self.stream:
+                self._begin_step(spans, pos, replay)
+        except self.cp.cuda.memory.OutOfMemoryError as err:   # a new graph's buffers, an eager step's tables
+            raise GpuError(f"out of GPU memory preparing a step of {len(pos)} tokens: {err}") from None
 
     def _begin_step(self, spans, pos, replay):
         cp = self.cp
@@ -948,6 +953,7 @@ class CudaBackend:
         size = sum(np.dtype(t).itemsize * n for _, t, n in layout)
         if self._graph_pool is None:
             self._graph_pool = cp.cuda.MemoryPool(_malloc_no_retry)
+        if self._graph_out is None:   # apart from the pool: an out-of-memory here leaves it to the next graph
             with cp.cuda.using_allocator(self._graph_pool.malloc):
                 self._graph_out = cp.empty((GRAPH_ROWS[-1], self.hp.n_vocab), cp.float32)
         with cp.cuda.using_allocator(self._graph_pool.malloc):

@@ -1,0 +1,180 @@
+"""Host-side logic of node/backend_cuda.py CudaBackend (graph buffers, step inputs,
+error paths, streams) on a fake CuPy, so it runs without a GPU."""
+
+import contextlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from node.backend_cuda import CudaBackend, GpuError
+
+V = 8   # vocabulary of the fake model
+
+
+class Dev(np.ndarray):
+    """A "device" array: numpy, with CuPy's set/get."""
+
+    def set(self, arr, stream=None):
+        self[...] = arr
+
+    def get(self, stream=None, out=None):
+        if out is None:
+            return np.array(self)
+        out[...] = self
+        return out
+
+
+class FakeOOM(Exception):
+    pass
+
+
+class FakeStream:
+    def __init__(self):
+        self.depth = 0
+        self.capturing = False
+
+    def __enter__(self):
+        self.depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+
+    def begin_capture(self, mode=None):
+        self.capturing = True
+
+    def end_capture(self):
+        self.capturing = False
+        return types.SimpleNamespace(launch=lambda stream: None)
+
+    def is_capturing(self):
+        return self.capturing
+
+    def synchronize(self):
+        pass
+
+
+class FakeCupy:
+    """Just enough of CuPy for CudaBackend's host-side code; ``oom`` device
+    allocations from now on fail (counted down) with cuda.memory.OutOfMemoryError."""
+    float32, uint8, int32, int64 = np.float32, np.uint8, np.int32, np.int64
+
+    def __init__(self):
+        self.oom = 0
+        self.fail_after = 0
+        self.cuda = types.SimpleNamespace(
+            MemoryPool=lambda alloc: types.SimpleNamespace(malloc=alloc),
+            using_allocator=lambda alloc: contextlib.nullcontext(),
+            memory=types.SimpleNamespace(OutOfMemoryError=FakeOOM),
+            runtime=types.SimpleNamespace(streamCaptureModeRelaxed=1))
+
+    def _alloc(self, a):
+        if self.fail_after:
+            self.fail_after -= 1
+        elif self.oom:
+            self.oom -= 1
+            raise FakeOOM("out of memory allocating a fake buffer")
+        return a.view(Dev)
+
+    def empty(self, shape, dtype=np.float32):
+        return self._alloc(np.empty(shape, dtype))
+
+    def zeros(self, shape, dtype=np.float32):
+        return self._alloc(np.zeros(shape, dtype))
+
+    def asarray(self, x, dtype=None):
+        return self._alloc(np.array(x, dtype))
+
+    def asnumpy(self, x):
+        return np.array(x)
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    cp = FakeCupy()
+    cupyx = types.SimpleNamespace(zeros_pinned=lambda n, dtype: np.zeros(n, dtype),
+                                  empty_pinned=lambda shape, dtype: np.empty(shape, dtype))
+    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
+    be = object.__new__(CudaBackend)
+    be.cp = be.xp = cp
+    be.stream = FakeStream()
+    be.hp = types.SimpleNamespace(n_vocab=V)
+    be.graphs, be.max_splits = True, 4
+    be.kv_pages = 16
+    be._free_pages = list(range(15, 0, -1))
+    be._scratch_page, be._pages = 0, {}
+    be._graph_cache, be._graph_pool, be._graph_out = {}, None, None
+    be._entry = be._last = None
+    return be
+
+
+def forward_of(be):
+    """A device pass whose logits row is the row's token id, everywhere."""
+    def forward(tok, pos, rows):
+        return be.cp.asarray(np.repeat(np.asarray(tok)[np.asarray(rows)], V).reshape(-1, V).astype(np.float32))
+    return forward
+
+
+def step(be, chunks):
+    """One replayable step of (seq, tokens) chunks on a fresh layout: each sequence starts at 0."""
+    toks, pos, spans = [], [], []
+    for seq, tk in chunks:
+        spans.append((seq, len(toks), len(toks) + len(tk)))
+        toks += tk
+        pos += range(len(tk))
+    rows = np.asarray([b - 1 for _, _, b in spans])
+    be.begin_step(spans, np.asarray(pos, np.int64), replay=True)
+    return be.run(forward_of(be), np.asarray(toks, np.int64), np.asarray(pos, np.int64), rows)
+
+
+def test_an_out_of_memory_making_the_first_graph_leaves_later_graph_steps_working(backend):
+    """An out-of-memory while the first graph's buffers are made (the graphs' one output
+    buffer) is a GpuError, and the next replayable step makes the buffer and runs:
+    the pool was kept without its output buffer, and every later graph step failed with
+    a TypeError (writing the logits into None)."""
+    be = backend
+    for s in (1, 2):
+        be.kv_alloc(s)
+    be.cp.oom = 1
+    with pytest.raises(GpuError, match="out of GPU memory"):
+        step(be, [(1, [5, 6]), (2, [7])])
+    assert be._graph_cache == {}
+    out = step(be, [(1, [5, 6]), (2, [7])])
+    assert out.tolist() == [[6.0] * V, [7.0] * V]
+    assert be._graph_out is not None and be._last.tolist() == out.tolist()
+
+
+def test_an_out_of_memory_in_begin_step_is_a_gpu_error(backend):
+    """Out of memory while a step's inputs are uploaded (an eager step's page tables)
+    is a GpuError like one in run, not CuPy's OutOfMemoryError (which the scheduler
+    takes for a bug and the CLI for a crash)."""
+    be = backend
+    be.graphs = False
+    be.kv_alloc(1)
+    be.cp.oom = 1
+    with pytest.raises(GpuError, match="out of GPU memory"):
+        be.begin_step([(1, 0, 3)], np.arange(3, dtype=np.int64), replay=True)
+
+
+def test_kv_copy_prefix_copies_on_the_backends_stream(backend):
+    """A fork's page copies run on the backend's stream (non-blocking, so the legacy
+    default stream of a thread that never made it current does not order them
+    before the next step's kernels)."""
+    be = backend
+    seen = []
+
+    class Pages:
+        def __getitem__(self, idx):
+            seen.append(be.stream.depth > 0)
+            return 0
+
+        def __setitem__(self, idx, value):
+            seen.append(be.stream.depth > 0)
+
+    be.kp, be.vp = Pages(), Pages()
+    be.kv_alloc(1)
+    be._grow(1, 300)                # two pages
+    be.kv_copy_prefix(1, 2, 300)
+    assert seen and all(seen), seen
