@@ -321,17 +321,22 @@ def _check(cond: bool, what: str) -> None:
 
 def _malloc_no_retry(size: int):
     """Base allocator of the graphs' memory pool: device memory of ``size`` bytes, or
-    ``OutOfMemoryError`` at once. (CuPy's pool answers its base allocator's CUDA
-    out-of-memory error by freeing its free blocks and retrying; the graphs' free
-    blocks are scratch that captured graphs still write.)"""
+    ``OutOfMemoryError``. The graphs' own free blocks are never given back (CuPy's
+    pool would free them and retry: they are scratch that captured graphs still
+    write); on a CUDA out-of-memory error the free blocks of CuPy's default pool,
+    which no graph uses, are, and the allocation is tried once more (not during a
+    capture, where freeing device memory is not allowed)."""
     import cupy as cp
 
-    try:
-        return cp.cuda.MemoryPointer(cp.cuda.Memory(size), 0)
-    except cp.cuda.runtime.CUDARuntimeError as e:
-        if e.status != cp.cuda.runtime.errorMemoryAllocation:
-            raise
-        raise cp.cuda.memory.OutOfMemoryError(size, -1) from None
+    for last in (False, True):
+        try:
+            return cp.cuda.MemoryPointer(cp.cuda.Memory(size), 0)
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            if e.status != cp.cuda.runtime.errorMemoryAllocation:
+                raise
+            if last or cp.cuda.get_current_stream().is_capturing():
+                raise cp.cuda.memory.OutOfMemoryError(size, -1) from None
+            cp.get_default_memory_pool().free_all_blocks()
 
 
 class CudaBackend:

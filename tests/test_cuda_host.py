@@ -178,3 +178,48 @@ def test_kv_copy_prefix_copies_on_the_backends_stream(backend):
     be._grow(1, 300)                # two pages
     be.kv_copy_prefix(1, 2, 300)
     assert seen and all(seen), seen
+
+
+class FakeRuntimeError(Exception):
+    def __init__(self, status):
+        super().__init__(status)
+        self.status = status
+
+
+@pytest.mark.parametrize("capturing,fails,freed,ok", [
+    (False, 0, 0, True),    # memory at once: nothing freed
+    (False, 1, 1, True),    # the default pool's free blocks given back, then the second try succeeds
+    (False, 2, 1, False),   # still none after that: out of memory, after one retry only
+    (True, 1, 0, False),    # during a capture nothing is freed: out of memory at once
+])
+def test_the_graph_pool_takes_back_only_the_default_pool_s_free_blocks(monkeypatch, capturing, fails, freed, ok):
+    """_malloc_no_retry, the graphs' pool's base allocator: on a CUDA out-of-memory
+    error it frees the default pool's free blocks (never the graphs' own, which CuPy's
+    retry would free) and tries once more, except during a capture."""
+    from node.backend_cuda import _malloc_no_retry
+    calls = {"alloc": 0, "freed": 0}
+    no_memory = 2
+
+    def memory(size):
+        calls["alloc"] += 1
+        if calls["alloc"] <= fails:
+            raise FakeRuntimeError(no_memory)
+        return ("mem", size)
+
+    stream = FakeStream()
+    stream.capturing = capturing
+    cp = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(
+            Memory=memory, MemoryPointer=lambda mem, off: mem,
+            runtime=types.SimpleNamespace(CUDARuntimeError=FakeRuntimeError, errorMemoryAllocation=no_memory),
+            memory=types.SimpleNamespace(OutOfMemoryError=lambda size, limit: FakeOOM(size)),
+            get_current_stream=lambda: stream),
+        get_default_memory_pool=lambda: types.SimpleNamespace(
+            free_all_blocks=lambda: calls.__setitem__("freed", calls["freed"] + 1)))
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    if ok:
+        assert _malloc_no_retry(64) == ("mem", 64)
+    else:
+        with pytest.raises(FakeOOM):
+            _malloc_no_retry(64)
+    assert calls["freed"] == freed and calls["alloc"] == min(fails + 1, 1 if capturing else 2)

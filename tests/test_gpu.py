@@ -500,6 +500,27 @@ def test_graph_replay_equals_eager(models, qtype):
         assert_same(b, a, "graph vs eager")
 
 
+def test_the_graph_pool_takes_back_the_default_pool_s_free_blocks():
+    """_malloc_no_retry with the device memory held as free blocks of CuPy's default
+    pool: the allocation succeeds after they are given back; when live arrays hold
+    it, it is an out-of-memory error at once."""
+    import cupy as cp
+
+    from node.backend_cuda import _malloc_no_retry
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    free = cp.cuda.runtime.memGetInfo()[0]
+    want = free // 2
+    big = cp.empty(free - (1 << 30), cp.uint8)   # all but 1 GiB, from the default pool
+    with pytest.raises(cp.cuda.memory.OutOfMemoryError):
+        _malloc_no_retry(want)                     # held by a live array: nothing to give back
+    del big                                        # now a free block of the default pool
+    assert pool.free_bytes() >= want
+    mem = _malloc_no_retry(want)
+    assert mem.mem.size >= want and pool.free_bytes() == 0
+    del mem
+
+
 def test_a_failed_graph_capture_keeps_no_graph(models):
     """A step whose CUDA graph capture fails half-way (out of GPU memory) is a GpuError
     and leaves no graph behind: the same step then captures again and gives the bytes
