@@ -319,6 +319,9 @@ def _check(cond: bool, what: str) -> None:
         raise ValueError(f"kernel launch shape check failed: {what}")
 
 
+CUDA_ERROR_MEMORY_ALLOCATION = 2   # cudaErrorMemoryAllocation (CUDA Runtime API, cudaError); CuPy does not export it
+
+
 def _malloc_no_retry(size: int):
     """Base allocator of the graphs' memory pool: device memory of ``size`` bytes, or
     ``OutOfMemoryError``. The graphs' own free blocks are never given back (CuPy's
@@ -332,7 +335,7 @@ def _malloc_no_retry(size: int):
         try:
             return cp.cuda.MemoryPointer(cp.cuda.Memory(size), 0)
         except cp.cuda.runtime.CUDARuntimeError as e:
-            if e.status != cp.cuda.runtime.errorMemoryAllocation:
+            if e.status != CUDA_ERROR_MEMORY_ALLOCATION:
                 raise
             if last or cp.cuda.get_current_stream().is_capturing():
                 raise cp.cuda.memory.OutOfMemoryError(size, -1) from None

@@ -211,7 +211,7 @@ def test_the_graph_pool_takes_back_only_the_default_pool_s_free_blocks(monkeypat
     cp = types.SimpleNamespace(
         cuda=types.SimpleNamespace(
             Memory=memory, MemoryPointer=lambda mem, off: mem,
-            runtime=types.SimpleNamespace(CUDARuntimeError=FakeRuntimeError, errorMemoryAllocation=no_memory),
+            runtime=types.SimpleNamespace(CUDARuntimeError=FakeRuntimeError),
             memory=types.SimpleNamespace(OutOfMemoryError=lambda size, limit: FakeOOM(size)),
             get_current_stream=lambda: stream),
         get_default_memory_pool=lambda: types.SimpleNamespace(
