@@ -113,6 +113,9 @@ def decode(data: bytes, what: str = "data", max_containers: int = MAX_CONTAINERS
                          f"or more than {MAX_ITEMS} items in them") from None
     except msgpack.StackError:  # msgpack's own nesting limit (1024), past ours
         raise AttestationError(f"{what} nests arrays or maps deeper than {MAX_DEPTH} levels") from None
+    except msgpack.ExtraData:   # msgpack's own words ("received extra data") read as if bytes were appended
+        raise AttestationError(f"{what} is not valid msgpack: bytes follow the end of its first value "
+                               f"(appended, or a header byte altered)") from None
     except Exception as e:
         raise AttestationError(f"{what} is not valid msgpack: {e}") from None
     if _depth(obj) > MAX_DEPTH:

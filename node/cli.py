@@ -65,7 +65,8 @@ def _check_replaceable(path: str, args) -> None:
     except OSError as e:
         raise RequestError(f"cannot write the attestation {path}: {e.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise RequestError(f"refusing to replace {path}: it is not a regular file")
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise RequestError(f"refusing to replace {path}: it is {what}")
     for flag, other in (("--key", args.key), ("public key", pub_path_for(args.key)),
                         ("--passphrase-file", getattr(args, "passphrase_file", None)), ("--model", model)):
         if other and os.path.exists(other) and os.path.samefile(path, other):

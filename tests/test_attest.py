@@ -512,6 +512,13 @@ def test_malformed_msgpack_is_rejected(data):
         canonical.decode(data)
 
 
+def test_bytes_past_the_first_value_are_named_as_such():
+    """A 5-element array whose header says 4 (one altered byte): the message says
+    bytes follow the first value, not msgpack's own "received extra data"."""
+    with pytest.raises(AttestationError, match="bytes follow the end of its first value"):
+        canonical.decode(b"\x94\x01\x02\x03\x04\x05", "attestation file")
+
+
 @pytest.mark.parametrize("depth,ok", [(canonical.MAX_DEPTH, True), (canonical.MAX_DEPTH + 1, False),
                                       (600, False), (1000, False), (1025, False), (100000, False)])
 def test_nesting_depth_is_bounded(depth, ok):

@@ -347,7 +347,7 @@ def test_run_refuses_to_replace_what_is_not_a_plain_output_file(enc_key, tmp_pat
            "--attestation", path, "--device", "cpu")
     why = {"key": "it is the --key file", "public": "it is the public key file",
            "passphrase": "it is the --passphrase-file file", "model": "it is the --model file"}.get(
-        target, "it is not a regular file")
+        target, "it is a symbolic link" if target == "symlink" else "it is not a regular file")
     assert assert_input_error(p).endswith(f"refusing to replace {path}: {why}")
     after = os.lstat(path)
     assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode) and open(key, "rb").read() == data
@@ -729,6 +729,19 @@ def test_verify_stops_at_the_first_divergent_step(art, tmp_path, forward_calls):
     assert (rep.ok, rep.message) == (False, f"FAIL: first divergent step 0: expected token {real ^ 1}, got token {real}")
     assert (rep.first_divergent_step, rep.expected_token, rep.got_token) == (0, real ^ 1, real)
     assert forward_calls == [[len(p["request"]["prompt_tokens"])]]
+
+
+def test_verify_names_the_output_fields_that_differ_after_every_step_matched(art, tmp_path):
+    """A re-signed claim whose steps all reproduce but whose text and finish reason
+    are altered: FAIL names those two fields (and only them)."""
+    import copy
+
+    from verify.verifier import verify_file
+    p = copy.deepcopy(art.payload)
+    p["output"]["text"] += "!"
+    p["output"]["finish_reason"] = "stop" if p["output"]["finish_reason"] == "length" else "length"
+    rep = verify_file(write(tmp_path / "t.bxa", envelope.seal(p, art.private_key())))
+    assert (rep.ok, rep.message) == (False, "FAIL: every step matched but the output differs in: text, finish reason")
 
 
 def test_verify_runs_one_step_past_a_claim_that_stops_early(art, tmp_path, forward_calls):

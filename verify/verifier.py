@@ -90,9 +90,11 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
     if len(res.step_chain) < len(want_chain):   # the re-execution ended first
         i = len(res.step_chain)
         return _divergence(payload, i, want_tokens[i], None)
-    if (res.digest != out["digest"] or res.text != out["text"] or res.finish_reason != out["finish_reason"]
-            or res.tokens != out["tokens"]):
-        return Report(False, payload, "FAIL: every step matched but the output digest, tokens, text or finish reason differs")
+    differ = [name for name, got, want in (("digest", res.digest, out["digest"]), ("tokens", res.tokens, out["tokens"]),
+                                           ("text", res.text, out["text"]),
+                                           ("finish reason", res.finish_reason, out["finish_reason"])) if got != want]
+    if differ:
+        return Report(False, payload, f"FAIL: every step matched but the output differs in: {', '.join(differ)}")
     return Report(True, payload, f"OK: {len(res.tokens)} tokens reproduced, output digest {res.digest.hex()}")
 
 
