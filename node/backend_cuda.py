@@ -951,8 +951,9 @@ class CudaBackend:
         at a time, each rewrites its inputs before it runs, and each ends by
         copying its logits into one buffer that a step reads before the next step
         runs, so graphs share their scratch memory. The pool never frees a block
-        (its base allocator fails at once instead of letting the pool free its
-        free blocks and retry): a captured graph keeps using its scratch."""
+        (its base allocator, :func:`_malloc_no_retry`, raises its out-of-memory
+        error itself instead of letting the pool free its own free blocks and
+        retry): a captured graph keeps using its scratch."""
         cp = self.cp
         import cupyx
 
