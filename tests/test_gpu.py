@@ -517,7 +517,7 @@ def test_the_graph_pool_takes_back_the_default_pool_s_free_blocks():
     del big                                        # now a free block of the default pool
     assert pool.free_bytes() >= want
     mem = _malloc_no_retry(want)
-    assert mem.mem.size >= want and pool.free_bytes() == 0
+    assert mem.mem.size >= want and pool.free_bytes() < want   # the freed block was given back
     del mem
 
 
