@@ -992,6 +992,10 @@ class CudaBackend:
                 return self._run(forward, tok, pos, rows, e)
         except cp.cuda.memory.OutOfMemoryError as err:
             raise GpuError(f"out of GPU memory in a step of {len(tok)} tokens: {err}") from None
+        except cp.cuda.runtime.CUDARuntimeError as err:   # cudaHostAlloc of the logits' pinned memory
+            if err.status != CUDA_ERROR_MEMORY_ALLOCATION:
+                raise
+            raise GpuError(f"out of pinned host memory for the logits of a step of {len(rows)} rows") from None
 
     def _run(self, forward, tok, pos, rows, e):
         cp = self.cp

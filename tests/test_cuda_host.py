@@ -223,3 +223,23 @@ def test_the_graph_pool_takes_back_only_the_default_pool_s_free_blocks(monkeypat
         with pytest.raises(FakeOOM):
             _malloc_no_retry(64)
     assert calls["freed"] == freed and calls["alloc"] == min(fails + 1, 1 if capturing else 2)
+
+
+def test_out_of_pinned_host_memory_for_the_logits_is_a_gpu_error(backend):
+    """cudaHostAlloc failing for a replayed step's logits (CuPy raises its runtime
+    error, not OutOfMemoryError) is a GpuError, and the next step runs."""
+    be = backend
+    be.cp.cuda.runtime.CUDARuntimeError = FakeRuntimeError
+    be.kv_alloc(1)
+    cupyx = sys.modules["cupyx"]
+    real, calls = cupyx.empty_pinned, []
+
+    def empty_pinned(shape, dtype):
+        calls.append(shape)
+        if len(calls) == 1:
+            raise FakeRuntimeError(2)   # cudaErrorMemoryAllocation
+        return real(shape, dtype)
+    cupyx.empty_pinned = empty_pinned
+    with pytest.raises(GpuError, match="out of pinned host memory"):
+        step(be, [(1, [5, 6])])
+    assert step(be, [(1, [5, 6])]).tolist() == [[6.0] * V]
