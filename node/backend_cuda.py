@@ -1018,9 +1018,13 @@ class CudaBackend:
                 self.stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
                 try:
                     step()
-                finally:   # a capture that failed half-way (out of memory) is dropped, not kept
-                    graph = self.stream.end_capture()
-                e["graph"] = graph
+                except BaseException:   # a capture that failed half-way (out of memory) is dropped, not kept,
+                    try:                # and its error is the one raised, not end_capture's on the void capture
+                        self.stream.end_capture()
+                    except cp.cuda.runtime.CUDARuntimeError:
+                        pass
+                    raise
+                e["graph"] = self.stream.end_capture()
         e["graph"].launch(self.stream)
         self._last = self._graph_out[:r]
         # Pinned host memory of its own (CuPy's pinned pool takes it back when the caller

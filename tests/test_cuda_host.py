@@ -243,3 +243,32 @@ def test_out_of_pinned_host_memory_for_the_logits_is_a_gpu_error(backend):
     with pytest.raises(GpuError, match="out of pinned host memory"):
         step(be, [(1, [5, 6])])
     assert step(be, [(1, [5, 6])]).tolist() == [[6.0] * V]
+
+
+def test_a_capture_that_fails_reports_its_own_error_not_end_capture_s(backend):
+    """An out-of-memory error during capture, after which ending the (void) capture
+    raises too: the step is the GpuError of the out-of-memory, no graph is kept, and
+    the next step captures again."""
+    be = backend
+    be.cp.cuda.runtime.CUDARuntimeError = FakeRuntimeError
+    be.kv_alloc(1)
+    real_end, ends = be.stream.end_capture, []
+
+    def end_capture():
+        ends.append(1)
+        if len(ends) == 1:
+            be.stream.capturing = False
+            raise FakeRuntimeError(901)   # cudaErrorStreamCaptureInvalidated
+        return real_end()
+    be.stream.end_capture = end_capture
+    real_asarray = be.cp.asarray
+
+    def asarray(x, dtype=None):   # the forward pass's allocation (forward_of)
+        if be.stream.capturing and not ends:
+            raise FakeOOM("out of memory in capture")
+        return real_asarray(x, dtype)
+    be.cp.asarray = asarray
+    with pytest.raises(GpuError, match="out of GPU memory"):
+        step(be, [(1, [5, 6])])
+    assert [e["graph"] for e in be._graph_cache.values()] == [None]
+    assert step(be, [(1, [5, 6])]).tolist() == [[6.0] * V] and len(ends) == 2
