@@ -28,7 +28,7 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from .engine import Engine, default_n_ctx, draw_rows
-from .errors import BitexactError
+from .errors import BitexactError, ModelError
 from .gguf_model import Model, load_model
 from .tp import ShardPlan, TpCpuBackend, check_degree
 
@@ -166,9 +166,14 @@ def _max_cols(model: Model) -> int:
     return max(t.rows for t in model.tensors.values() if t.rows > 1)
 
 
-def _rank_engine(path: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opts: dict):
-    """The rank's engine and the object whose ``close`` ends its collective."""
+def _rank_engine(path: str, sha256: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opts: dict):
+    """The rank's engine and the object whose ``close`` ends its collective. Raises
+    :class:`ModelError` when the file at ``path`` is no longer the one the parent
+    loaded (``sha256``): the parent's attestations name that model."""
     model = load_model(path)
+    if model.sha256 != sha256:
+        raise ModelError(f"tensor-parallel rank {rank}: {path} changed after it was loaded (SHA-256 "
+                         f"{model.sha256}, not {sha256}); restart to serve the new file")
     if device == "cuda":
         from .tp_gpu import CudaRankBackend
         be = CudaRankBackend(model, tp, rank, link, n_ctx=n_ctx or default_n_ctx(model.hparams),
@@ -194,8 +199,8 @@ def _publish(out: list, shm) -> object:
     return ("shm", [a.shape for a in out])
 
 
-def _rank_main(path: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opts: dict, out_name: str,
-               conn) -> None:
+def _rank_main(path: str, sha256: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opts: dict,
+               out_name: str, conn) -> None:
     """A rank process: build the rank's engine, then serve (method, args) calls until ``None``.
 
     ``link``: the shared-memory name and semaphores (cpu) or the NCCL unique
@@ -208,7 +213,7 @@ def _rank_main(path: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opt
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)                  # the parent handles Ctrl-C and stops us
     try:
-        eng, coll = _rank_engine(path, tp, rank, n_ctx, device, link, cuda_opts)
+        eng, coll = _rank_engine(path, sha256, tp, rank, n_ctx, device, link, cuda_opts)
         rec = eng.backend.device_record() if device == "cuda" else None
         out_shm = shared_memory.SharedMemory(name=out_name) if rank == 0 else None
         conn.send(("ok", (eng.n_ctx, rec)))
@@ -281,7 +286,8 @@ class TpEngine:
             for rank in range(tp):
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=_rank_main, name=f"bitexact-tp{rank}", daemon=True,
-                                args=(model.path, tp, rank, n_ctx, device, link, cuda_opts, self._out.name, child))
+                                args=(model.path, model.sha256, tp, rank, n_ctx, device, link, cuda_opts,
+                                      self._out.name, child))
                 p.start()
                 self._conns.append(parent)
                 self._procs.append(p)

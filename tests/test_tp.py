@@ -343,3 +343,15 @@ def test_a_request_error_on_one_rank_only_stops_the_others(tmp_path, monkeypatch
             eng.length(seq)
     finally:
         eng.close()
+
+
+def test_tp_ranks_refuse_a_model_file_replaced_after_the_parent_loaded_it(tmp_path):
+    """The ranks load the model by path; if the file changed since the parent
+    loaded it (its SHA-256 goes into every attestation), they would compute with
+    another model than the one attested. They refuse to start instead."""
+    from node.tp_runtime import TpEngine
+    path = str(tmp_path / "m.gguf")
+    model = load_model(write_model(path, SHAPE, "Q8_0", seed=7))
+    write_model(path, SHAPE, "Q8_0", seed=8)                      # replaced on disk
+    with pytest.raises(ModelError, match="changed after it was loaded"):
+        TpEngine(model, 2, n_ctx=256).close()
