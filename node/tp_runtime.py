@@ -385,11 +385,15 @@ class TpEngine:
             raise BitexactError("this tensor-parallel engine is closed")
         if self._broken:
             raise BitexactError(f"{self._broken}; the tensor-parallel engine must be restarted")
-        for conn in self._conns:
-            try:
-                conn.send((method, args))
-            except OSError:                      # a dead rank: _replies reports it
-                pass
+        try:
+            for conn in self._conns:
+                try:
+                    conn.send((method, args))
+                except OSError:                  # a dead rank: _replies reports it
+                    pass
+        except BaseException:                    # e.g. KeyboardInterrupt: some ranks have the call, others not
+            self._break("interrupted while sending a call to the ranks")
+            raise
         return self._replies()
 
     def new_sequence(self) -> int:

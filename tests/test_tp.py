@@ -355,3 +355,42 @@ def test_tp_ranks_refuse_a_model_file_replaced_after_the_parent_loaded_it(tmp_pa
     write_model(path, SHAPE, "Q8_0", seed=8)                      # replaced on disk
     with pytest.raises(ModelError, match="changed after it was loaded"):
         TpEngine(model, 2, n_ctx=256).close()
+
+
+def test_tp_call_interrupted_while_sending_breaks_the_engine(tmp_path):
+    """An interrupt between the sends of one call leaves some ranks with the call
+    and others without: the next call would pair different steps in the gathers
+    (wrong bytes) or wait forever. The engine is broken instead."""
+    import threading
+
+    from node.errors import BitexactError
+    from node.tp_runtime import TpEngine
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, "Q8_0", seed=7))
+    eng = TpEngine(model, 2, n_ctx=256)
+    try:
+        seq = eng.new_sequence()
+        real = eng._conns[1]
+
+        class Interrupted:
+            def send(self, msg):
+                eng._conns[1] = real
+                raise KeyboardInterrupt
+
+        eng._conns[1] = Interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            eng.forward([(seq, [1, 2, 3])])                  # rank 0 got it, rank 1 did not
+        result = {}
+
+        def call():
+            try:
+                result["ok"] = eng.forward([(seq, [4, 5, 6])])
+            except BaseException as e:  # noqa: BLE001 - the test inspects it
+                result["error"] = e
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "the call after an interrupted send hung"
+        assert isinstance(result.get("error"), BitexactError) and "restarted" in str(result["error"]), result
+    finally:
+        eng._abort_ranks()
+        eng.close()
