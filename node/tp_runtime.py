@@ -20,6 +20,7 @@ the same pieces and assembly, with NCCL's all-gather in place of
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 import time
 from multiprocessing import shared_memory
@@ -69,6 +70,7 @@ class ShmAllGather:
     def __init__(self, shm_name: str, sems, tp: int, rank: int, max_cols: int):
         self.shm = shared_memory.SharedMemory(name=shm_name)
         self.sems, self.tp, self.rank = sems, tp, rank
+        self.ppid = os.getppid()               # a rank is the parent's child: it changes when the parent dies
         self.rows = max(1, SLOT_FLOATS // max_cols)
         slot = 16 + 4 * SLOT_FLOATS
         self.flag = np.ndarray((1,), np.int64, self.shm.buf, 0)
@@ -81,6 +83,8 @@ class ShmAllGather:
         self.flag[0] = 1
 
     def _barrier(self) -> None:
+        if os.getppid() != self.ppid:          # the parent was killed: the step's result has no reader
+            raise GatherAborted("the parent process is gone")
         for r in range(self.tp):
             if r != self.rank:
                 self.sems[r].release()
@@ -88,6 +92,8 @@ class ShmAllGather:
             while not self.sems[self.rank].acquire(timeout=POLL_S):
                 if self.flag[0]:
                     raise GatherAborted("another tensor-parallel rank failed during a gather")
+                if os.getppid() != self.ppid:
+                    raise GatherAborted("the parent process is gone")
 
     def all_gather(self, a: np.ndarray) -> list[np.ndarray]:
         """Every rank's array, in rank order (this rank's ``a`` among them)."""
@@ -230,14 +236,20 @@ def _rank_main(path: str, sha256: str, tp: int, rank: int, n_ctx, device: str, l
         method, args = msg
         try:
             out = getattr(eng, method)(*args)
-            if rank == 0 and method == "forward":
-                out = _publish(out, out_shm)
-            conn.send(("ok", out if rank == 0 else None))
+            reply = ("ok", _publish(out, out_shm) if rank == 0 and method == "forward" else out if rank == 0 else None)
         except BitexactError as e:
-            conn.send(("err", e))
+            reply = ("err", e)
         except GatherAborted as e:
-            conn.send(("fault", BitexactError(f"tensor-parallel rank {rank}: {e}")))
+            reply = ("fault", BitexactError(f"tensor-parallel rank {rank}: {e}"))
         except Exception as e:  # noqa: BLE001 - a bug or out of memory on this rank only
+            if device == "cpu":
+                coll.abort()
+            reply = ("fault", BitexactError(f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}"))
+        try:
+            conn.send(reply)
+        except OSError:                                           # the parent is gone (killed): stop quietly
+            break
+        except Exception as e:  # noqa: BLE001 - a result that cannot be pickled: a bug, said in one line
             if device == "cpu":
                 coll.abort()
             conn.send(("fault", BitexactError(f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}")))

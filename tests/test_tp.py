@@ -394,3 +394,48 @@ def test_tp_call_interrupted_while_sending_breaks_the_engine(tmp_path):
     finally:
         eng._abort_ranks()
         eng.close()
+
+
+_ORPHAN_SCRIPT = """
+import os, signal, sys, threading, time
+from node.gguf_model import load_model
+from node.tp_runtime import TpEngine
+if __name__ == "__main__":
+    eng = TpEngine(load_model(sys.argv[1]), 2, n_ctx=1024)
+    print(" ".join(str(p.pid) for p in eng._procs), flush=True)
+    s = eng.new_sequence()
+    threading.Thread(target=eng.forward, args=([(s, [(7 * i) % 300 for i in range(600)])],), daemon=True).start()
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)                  # the parent dies mid-step
+"""
+
+
+def test_tp_ranks_stop_quietly_when_the_parent_is_killed_mid_step(tmp_path):
+    """A killed parent (OOM killer, kill -9) leaves its ranks without a reader:
+    they stop at their next gather instead of computing the rest of the step,
+    and say nothing (no tracebacks of the failed reply in the node's log)."""
+    import os
+    import subprocess
+    import sys
+    model = write_model(str(tmp_path / "m.gguf"), (512, 8, 8, 4, 2048, 300), "Q8_0", seed=7)
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    one = Engine(load_model(model), n_ctx=1024)
+    t0 = time.monotonic()
+    one.forward([(one.new_sequence(), [(7 * i) % 300 for i in range(600)])])
+    step_s = time.monotonic() - t0                           # the step alone, on one process
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(script), model], stdout=subprocess.PIPE, stderr=f, text=True,
+                                env=env)
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        proc.wait(120)
+    t1 = time.monotonic()                                    # the parent is dead
+    assert len(pids) == 2, err.read_text()
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() - t1 < 60:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids), "the ranks outlived their parent"
+    assert time.monotonic() - t1 < step_s / 2, (time.monotonic() - t1, step_s)   # not the rest of the step
+    assert "Traceback" not in err.read_text(), err.read_text()
