@@ -20,6 +20,7 @@ the same pieces and assembly, with NCCL's all-gather in place of
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 import time
 from multiprocessing import shared_memory
@@ -28,7 +29,7 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from .engine import Engine, default_n_ctx, draw_rows
-from .errors import BitexactError
+from .errors import BitexactError, ModelError
 from .gguf_model import Model, load_model
 from .tp import ShardPlan, TpCpuBackend, check_degree
 
@@ -69,6 +70,7 @@ class ShmAllGather:
     def __init__(self, shm_name: str, sems, tp: int, rank: int, max_cols: int):
         self.shm = shared_memory.SharedMemory(name=shm_name)
         self.sems, self.tp, self.rank = sems, tp, rank
+        self.ppid = os.getppid()               # a rank is the parent's child: it changes when the parent dies
         self.rows = max(1, SLOT_FLOATS // max_cols)
         slot = 16 + 4 * SLOT_FLOATS
         self.flag = np.ndarray((1,), np.int64, self.shm.buf, 0)
@@ -81,6 +83,8 @@ class ShmAllGather:
         self.flag[0] = 1
 
     def _barrier(self) -> None:
+        if os.getppid() != self.ppid:          # the parent was killed: the step's result has no reader
+            raise GatherAborted("the parent process is gone")
         for r in range(self.tp):
             if r != self.rank:
                 self.sems[r].release()
@@ -88,6 +92,8 @@ class ShmAllGather:
             while not self.sems[self.rank].acquire(timeout=POLL_S):
                 if self.flag[0]:
                     raise GatherAborted("another tensor-parallel rank failed during a gather")
+                if os.getppid() != self.ppid:
+                    raise GatherAborted("the parent process is gone")
 
     def all_gather(self, a: np.ndarray) -> list[np.ndarray]:
         """Every rank's array, in rank order (this rank's ``a`` among them)."""
@@ -166,9 +172,14 @@ def _max_cols(model: Model) -> int:
     return max(t.rows for t in model.tensors.values() if t.rows > 1)
 
 
-def _rank_engine(path: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opts: dict):
-    """The rank's engine and the object whose ``close`` ends its collective."""
+def _rank_engine(path: str, sha256: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opts: dict):
+    """The rank's engine and the object whose ``close`` ends its collective. Raises
+    :class:`ModelError` when the file at ``path`` is no longer the one the parent
+    loaded (``sha256``): the parent's attestations name that model."""
     model = load_model(path)
+    if model.sha256 != sha256:
+        raise ModelError(f"tensor-parallel rank {rank}: {path} changed after it was loaded (SHA-256 "
+                         f"{model.sha256}, not {sha256}); restart to serve the new file")
     if device == "cuda":
         from .tp_gpu import CudaRankBackend
         be = CudaRankBackend(model, tp, rank, link, n_ctx=n_ctx or default_n_ctx(model.hparams),
@@ -194,8 +205,8 @@ def _publish(out: list, shm) -> object:
     return ("shm", [a.shape for a in out])
 
 
-def _rank_main(path: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opts: dict, out_name: str,
-               conn) -> None:
+def _rank_main(path: str, sha256: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opts: dict,
+               out_name: str, conn) -> None:
     """A rank process: build the rank's engine, then serve (method, args) calls until ``None``.
 
     ``link``: the shared-memory name and semaphores (cpu) or the NCCL unique
@@ -208,7 +219,7 @@ def _rank_main(path: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opt
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)                  # the parent handles Ctrl-C and stops us
     try:
-        eng, coll = _rank_engine(path, tp, rank, n_ctx, device, link, cuda_opts)
+        eng, coll = _rank_engine(path, sha256, tp, rank, n_ctx, device, link, cuda_opts)
         rec = eng.backend.device_record() if device == "cuda" else None
         out_shm = shared_memory.SharedMemory(name=out_name) if rank == 0 else None
         conn.send(("ok", (eng.n_ctx, rec)))
@@ -225,14 +236,20 @@ def _rank_main(path: str, tp: int, rank: int, n_ctx, device: str, link, cuda_opt
         method, args = msg
         try:
             out = getattr(eng, method)(*args)
-            if rank == 0 and method == "forward":
-                out = _publish(out, out_shm)
-            conn.send(("ok", out if rank == 0 else None))
+            reply = ("ok", _publish(out, out_shm) if rank == 0 and method == "forward" else out if rank == 0 else None)
         except BitexactError as e:
-            conn.send(("err", e))
+            reply = ("err", e)
         except GatherAborted as e:
-            conn.send(("fault", BitexactError(f"tensor-parallel rank {rank}: {e}")))
+            reply = ("fault", BitexactError(f"tensor-parallel rank {rank}: {e}"))
         except Exception as e:  # noqa: BLE001 - a bug or out of memory on this rank only
+            if device == "cpu":
+                coll.abort()
+            reply = ("fault", BitexactError(f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}"))
+        try:
+            conn.send(reply)
+        except OSError:                                           # the parent is gone (killed): stop quietly
+            break
+        except Exception as e:  # noqa: BLE001 - a result that cannot be pickled: a bug, said in one line
             if device == "cpu":
                 coll.abort()
             conn.send(("fault", BitexactError(f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}")))
@@ -281,7 +298,8 @@ class TpEngine:
             for rank in range(tp):
                 parent, child = ctx.Pipe()
                 p = ctx.Process(target=_rank_main, name=f"bitexact-tp{rank}", daemon=True,
-                                args=(model.path, tp, rank, n_ctx, device, link, cuda_opts, self._out.name, child))
+                                args=(model.path, model.sha256, tp, rank, n_ctx, device, link, cuda_opts,
+                                      self._out.name, child))
                 p.start()
                 self._conns.append(parent)
                 self._procs.append(p)
@@ -379,11 +397,15 @@ class TpEngine:
             raise BitexactError("this tensor-parallel engine is closed")
         if self._broken:
             raise BitexactError(f"{self._broken}; the tensor-parallel engine must be restarted")
-        for conn in self._conns:
-            try:
-                conn.send((method, args))
-            except OSError:                      # a dead rank: _replies reports it
-                pass
+        try:
+            for conn in self._conns:
+                try:
+                    conn.send((method, args))
+                except OSError:                  # a dead rank: _replies reports it
+                    pass
+        except BaseException:                    # e.g. KeyboardInterrupt: some ranks have the call, others not
+            self._break("interrupted while sending a call to the ranks")
+            raise
         return self._replies()
 
     def new_sequence(self) -> int:

@@ -343,3 +343,99 @@ def test_a_request_error_on_one_rank_only_stops_the_others(tmp_path, monkeypatch
             eng.length(seq)
     finally:
         eng.close()
+
+
+def test_tp_ranks_refuse_a_model_file_replaced_after_the_parent_loaded_it(tmp_path):
+    """The ranks load the model by path; if the file changed since the parent
+    loaded it (its SHA-256 goes into every attestation), they would compute with
+    another model than the one attested. They refuse to start instead."""
+    from node.tp_runtime import TpEngine
+    path = str(tmp_path / "m.gguf")
+    model = load_model(write_model(path, SHAPE, "Q8_0", seed=7))
+    write_model(path, SHAPE, "Q8_0", seed=8)                      # replaced on disk
+    with pytest.raises(ModelError, match="changed after it was loaded"):
+        TpEngine(model, 2, n_ctx=256).close()
+
+
+def test_tp_call_interrupted_while_sending_breaks_the_engine(tmp_path):
+    """An interrupt between the sends of one call leaves some ranks with the call
+    and others without: the next call would pair different steps in the gathers
+    (wrong bytes) or wait forever. The engine is broken instead."""
+    import threading
+
+    from node.errors import BitexactError
+    from node.tp_runtime import TpEngine
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, "Q8_0", seed=7))
+    eng = TpEngine(model, 2, n_ctx=256)
+    try:
+        seq = eng.new_sequence()
+        real = eng._conns[1]
+
+        class Interrupted:
+            def send(self, msg):
+                eng._conns[1] = real
+                raise KeyboardInterrupt
+
+        eng._conns[1] = Interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            eng.forward([(seq, [1, 2, 3])])                  # rank 0 got it, rank 1 did not
+        result = {}
+
+        def call():
+            try:
+                result["ok"] = eng.forward([(seq, [4, 5, 6])])
+            except BaseException as e:  # noqa: BLE001 - the test inspects it
+                result["error"] = e
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "the call after an interrupted send hung"
+        assert isinstance(result.get("error"), BitexactError) and "restarted" in str(result["error"]), result
+    finally:
+        eng._abort_ranks()
+        eng.close()
+
+
+_ORPHAN_SCRIPT = """
+import os, signal, sys, threading, time
+from node.gguf_model import load_model
+from node.tp_runtime import TpEngine
+if __name__ == "__main__":
+    eng = TpEngine(load_model(sys.argv[1]), 2, n_ctx=1024)
+    print(" ".join(str(p.pid) for p in eng._procs), flush=True)
+    s = eng.new_sequence()
+    threading.Thread(target=eng.forward, args=([(s, [(7 * i) % 300 for i in range(600)])],), daemon=True).start()
+    time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGKILL)                  # the parent dies mid-step
+"""
+
+
+def test_tp_ranks_stop_quietly_when_the_parent_is_killed_mid_step(tmp_path):
+    """A killed parent (OOM killer, kill -9) leaves its ranks without a reader:
+    they stop at their next gather instead of computing the rest of the step,
+    and say nothing (no tracebacks of the failed reply in the node's log)."""
+    import os
+    import subprocess
+    import sys
+    model = write_model(str(tmp_path / "m.gguf"), (512, 8, 8, 4, 2048, 300), "Q8_0", seed=7)
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    one = Engine(load_model(model), n_ctx=1024)
+    t0 = time.monotonic()
+    one.forward([(one.new_sequence(), [(7 * i) % 300 for i in range(600)])])
+    step_s = time.monotonic() - t0                           # the step alone, on one process
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(script), model], stdout=subprocess.PIPE, stderr=f, text=True,
+                                env=env)
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        proc.wait(120)
+    t1 = time.monotonic()                                    # the parent is dead
+    assert len(pids) == 2, err.read_text()
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() - t1 < 60:
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids), "the ranks outlived their parent"
+    assert time.monotonic() - t1 < step_s / 2, (time.monotonic() - t1, step_s)   # not the rest of the step
+    assert "Traceback" not in err.read_text(), err.read_text()
