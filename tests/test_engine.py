@@ -218,7 +218,6 @@ def test_compiled_templates_are_kept_per_source_and_bounded():
 def test_a_sampling_fault_fails_only_its_request():
     """A draw that faults (logits / temperature overflowing fp32) fails its own
     request with that error; the request stepped beside it ends with its solo digest."""
-    import threading
 
     from node.errors import NumericFault
     from node.gguf_model import default_model_path
@@ -239,23 +238,30 @@ def test_a_sampling_fault_fails_only_its_request():
     recs = [build_request(Request(prompt="Name a colour.", max_tokens=3, params=SamplingParams(0.8, 0, 1.0, s)),
                           tok, 256) for s in (666, 7)]
     want = generate(Engine(model, n_ctx=256), tok, recs[1]).digest
+    ends = serve_all(Scheduler(FaultOnSeed666(Engine(model, n_ctx=256)), tok, max_batch=4), recs)
+    assert ends[0][0] == "error" and isinstance(ends[0][1], NumericFault)
+    assert ends[1][0] == "done" and ends[1][1].digest == want
+
+
+def serve_all(sched, recs, wait=300):
+    """Submit ``recs`` to ``sched`` and wait (up to ``wait`` s) until each has ended;
+    stops ``sched``. Returns each request's end ``(kind, value)`` by index."""
+    import threading
     ends, done = {}, threading.Event()
 
     def on_event(i, kind, value):
         if kind != "token":
             ends[i] = (kind, value)
-            if len(ends) == 2:
+            if len(ends) == len(recs):
                 done.set()
 
-    sched = Scheduler(FaultOnSeed666(Engine(model, n_ctx=256)), tok, max_batch=4)
     try:
         for i, r in enumerate(recs):
             sched.submit(r, lambda kind, value, i=i: on_event(i, kind, value))
-        assert done.wait(300)
+        assert done.wait(wait), ends
     finally:
         sched.stop()
-    assert ends[0][0] == "error" and isinstance(ends[0][1], NumericFault)
-    assert ends[1][0] == "done" and ends[1][1].digest == want
+    return ends
 
 
 def serve_then_one_more(sched, recs, again, wait):
@@ -550,7 +556,6 @@ def test_a_nan_in_one_request_of_a_step_fails_only_that_request():
     request only: the request stepped beside it ends with its solo digest, as it
     would alone on an idle node. The faulted step appends nothing to any sequence
     (Engine.forward raises before the lengths move), so its requests can be rerun."""
-    import threading
 
     from node.errors import NumericFault
     from node.gguf_model import default_model_path
@@ -583,20 +588,6 @@ def test_a_nan_in_one_request_of_a_step_fails_only_that_request():
     eng.release(s1)
     eng.release(s2)
 
-    ends, done = {}, threading.Event()
-
-    def on_event(i, kind, value):
-        if kind != "token":
-            ends[i] = (kind, value)
-            if len(ends) == 2:
-                done.set()
-
-    sched = Scheduler(eng, tok, max_batch=4)
-    try:
-        for i, r in enumerate(recs):
-            sched.submit(r, lambda kind, value, i=i: on_event(i, kind, value))
-        assert done.wait(300)
-    finally:
-        sched.stop()
+    ends = serve_all(Scheduler(eng, tok, max_batch=4), recs)
     assert ends[0][0] == "error" and isinstance(ends[0][1], NumericFault), ends[0]
     assert ends[1][0] == "done" and ends[1][1].digest == want, ends[1]
