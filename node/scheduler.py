@@ -249,7 +249,7 @@ class Scheduler:
 
     def _draw_and_emit(self, ready: list[Job], chunks: list[list[int]], outs: list) -> None:
         """Draw the tokens of the last engine step (``outs``: its logits, a row per
-        job; on the CUDA engine seeded rows are drawn from the step's device logits,
+        job; on the CUDA engine the rows are drawn from the step's device logits,
         so this follows that very step) and pass them to their requests."""
         due = [(i, job.gen.due(len(c))) for i, (job, c) in enumerate(zip(ready, chunks))]
         picks = [(i, ready[i].gen.params, pos) for i, pos in due if pos is not None]
