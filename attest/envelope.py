@@ -69,8 +69,9 @@ def open_envelope(data: bytes, trusted_key: bytes | None = None) -> dict:
     if trusted_key is not None and pub != trusted_key:
         raise AttestationError(f"signed by key {key_id(pub)}, not by the trusted key {key_id(trusted_key)}")
     if not is_valid_public(pub):
-        raise AttestationError(f"signed by a weak Ed25519 key {key_id(pub)} (small order, non-canonical, or outside the prime-order subgroup; a damaged or altered key field reads so too): "
-                               f"its signatures prove nothing")
+        raise AttestationError(f"signed by a weak Ed25519 key {key_id(pub)} (small order, non-canonical, or "
+                               f"outside the prime-order subgroup; a damaged or altered key field reads so "
+                               f"too): its signatures prove nothing")
     try:
         Ed25519PublicKey.from_public_bytes(pub).verify(sig, pae(PAYLOAD_TYPE, body))
     except InvalidSignature:

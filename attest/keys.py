@@ -131,7 +131,8 @@ def load_private(path: str, passphrase: bytes | None = None, require_private_mod
         key = serialization.load_pem_private_key(data, password=passphrase)
     except TypeError:
         if passphrase is None:
-            raise KeyError_(f"key {path} is encrypted: give its passphrase (--passphrase-file or BITEXACT_KEY_PASSPHRASE)") from None
+            raise KeyError_(f"key {path} is encrypted: give its passphrase "
+                            f"(--passphrase-file or BITEXACT_KEY_PASSPHRASE)") from None
         raise KeyError_(f"key {path} is not encrypted, but a passphrase was given") from None
     except ValueError:
         if passphrase is not None:
@@ -162,5 +163,6 @@ def load_public(path: str) -> bytes:
         raise KeyError_(f"public key {path} is not an Ed25519 key")
     raw = public_raw(pub)
     if not is_valid_public(raw):
-        raise KeyError_(f"public key {path} is a weak Ed25519 key (small order, non-canonical, or outside the prime-order subgroup)")
+        raise KeyError_(f"public key {path} is a weak Ed25519 key (small order, non-canonical, "
+                        f"or outside the prime-order subgroup)")
     return raw

@@ -925,8 +925,7 @@ class CudaBackend:
         qpos = np.zeros(rows, np.int32)
         qpos[:m] = pos
         self._max_splits = ms
-        if key is None:
-            self._entry = None
+        if key is None:   # eager launches (begin_step has cleared _entry)
             self._page_tab, self._tok_page = cp.asarray(tab), cp.asarray(tok_page)
             self._tok_slot, self._qpos = cp.asarray(qpos % SPLIT_KV), cp.asarray(qpos)
             return

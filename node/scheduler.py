@@ -173,10 +173,11 @@ class Scheduler:
     def _step(self, batch: list[Job]) -> None:
         """One engine step for ``batch``. A :class:`BitexactError` fails the
         requests it concerns; any other exception is a bug, logged with its
-        traceback. A bug in the forward pass or the draw is narrowed down by
-        running the step's requests one by one (a request's bytes do not depend
-        on its batch), so it fails only the requests that hit it; a bug
-        elsewhere fails this step's requests. The node keeps serving."""
+        traceback. A bug or a NaN fault in the forward pass, or a bug in the
+        draw, is narrowed down by running the step's requests one by one (a
+        request's bytes do not depend on its batch), so it fails only the
+        requests that hit it; a bug elsewhere fails this step's requests. The
+        node keeps serving."""
         try:
             self._step_jobs(batch)
         except Exception as e:   # noqa: BLE001 - the worker thread must survive
@@ -216,29 +217,28 @@ class Scheduler:
         ready, chunks = self._plan(ready)
         try:
             outs = self.engine.forward([(job.gen.seq, c) for job, c in zip(ready, chunks)])
-        except NumericFault as e:
-            # a NaN in some request's logits: the step appended nothing (Engine.forward), and a
-            # request's bytes do not depend on its batch, so run them one by one to fail only
-            # the requests whose own logits fault
-            if len(ready) == 1:
-                self._drop(ready[0], e)
-                return
-            log.warning("an engine step of %d requests faulted; running them one by one", len(ready))
-            self._one_by_one(ready, chunks)
+        except NumericFault as e:   # a NaN in some request's logits (the step appended nothing)
+            self._isolate(ready, chunks, e)
             return
         except BitexactError as e:   # e.g. KV cache full: fail this step's requests, keep serving
             for job in ready:
                 self._drop(job, e)
             return
-        except Exception:   # noqa: BLE001 - a bug: find the requests that hit it
-            log.exception("an engine step of %d requests failed; running them one by one", len(ready))
-            self._one_by_one(ready, chunks)
+        except Exception as e:   # noqa: BLE001 - a bug: find the requests that hit it
+            log.exception("an engine step of %d requests failed", len(ready))
+            self._isolate(ready, chunks, _as_request_error(e))
             return
         self._draw_and_emit(ready, chunks, outs)
 
-    def _one_by_one(self, ready: list[Job], chunks: list[list[int]]) -> None:
-        """Each job's chunk as a step of its own, its draw reading its own logits; a job
-        whose step fails gets that error."""
+    def _isolate(self, ready: list[Job], chunks: list[list[int]], err: BitexactError) -> None:
+        """A step of ``ready`` failed with ``err``: a lone job gets it; otherwise, since a
+        request's bytes do not depend on its batch, each job's chunk runs as a step of its
+        own (its draw reading its own logits), and only the jobs whose own step fails
+        get an error (that step's)."""
+        if len(ready) == 1:
+            self._drop(ready[0], err)
+            return
+        log.warning("running the %d requests of the failed step one by one", len(ready))
         for job, c in zip(ready, chunks):
             try:
                 out = self.engine.forward([(job.gen.seq, c)])

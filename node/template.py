@@ -14,6 +14,7 @@ rendering at a time; it is replaced when it crashes or runs out of time.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import resource
 import signal
@@ -73,15 +74,7 @@ def _render_bounded(source: str, context: dict) -> str:
     saved = sys.gettrace()
     sys.settrace(trace)
     try:
-        template = _COMPILED.pop(source, None)
-        if template is None:
-            env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_exception
-            template = env.from_string(source)
-            while len(_COMPILED) >= TEMPLATE_CACHE:
-                _COMPILED.pop(next(iter(_COMPILED)))   # the least recently used
-        _COMPILED[source] = template                  # now the most recently used
-        text = template.render(**context)
+        text = _compile(source).render(**context)
     finally:
         sys.settrace(saved)
     if len(text) > TEMPLATE_OUTPUT:
@@ -93,7 +86,12 @@ def _render_bounded(source: str, context: dict) -> str:
     return text
 
 
-_COMPILED: dict[str, jinja2.Template] = {}   # source text -> compiled template, least recently used first
+@functools.lru_cache(maxsize=TEMPLATE_CACHE)
+def _compile(source: str) -> jinja2.Template:
+    """``source`` compiled in the bounded sandbox (a failed compile is not kept)."""
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
 
 
 def _worker(conn) -> None:

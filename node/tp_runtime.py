@@ -235,24 +235,21 @@ def _rank_main(path: str, sha256: str, tp: int, rank: int, n_ctx, device: str, l
             break
         method, args = msg
         try:
-            out = getattr(eng, method)(*args)
-            reply = ("ok", _publish(out, out_shm) if rank == 0 and method == "forward" else out if rank == 0 else None)
-        except BitexactError as e:
-            reply = ("err", e)
-        except GatherAborted as e:
-            reply = ("fault", BitexactError(f"tensor-parallel rank {rank}: {e}"))
-        except Exception as e:  # noqa: BLE001 - a bug or out of memory on this rank only
-            if device == "cpu":
-                coll.abort()
-            reply = ("fault", BitexactError(f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}"))
-        try:
-            conn.send(reply)
+            try:
+                out = getattr(eng, method)(*args)
+                if rank == 0 and method == "forward":
+                    out = _publish(out, out_shm)
+                conn.send(("ok", out if rank == 0 else None))
+            except BitexactError as e:
+                conn.send(("err", e))
+            except GatherAborted as e:
+                conn.send(("fault", BitexactError(f"tensor-parallel rank {rank}: {e}")))
+            except Exception as e:  # noqa: BLE001 - a bug, out of memory on this rank only, an unpicklable result
+                if device == "cpu":
+                    coll.abort()
+                conn.send(("fault", BitexactError(f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}")))
         except OSError:                                           # the parent is gone (killed): stop quietly
             break
-        except Exception as e:  # noqa: BLE001 - a result that cannot be pickled: a bug, said in one line
-            if device == "cpu":
-                coll.abort()
-            conn.send(("fault", BitexactError(f"tensor-parallel rank {rank} failed: {type(e).__name__}: {e}")))
     coll.close()
     if out_shm is not None:
         out_shm.close()

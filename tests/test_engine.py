@@ -191,26 +191,29 @@ def test_compiled_templates_are_kept_per_source_and_bounded():
     context; it keeps the TEMPLATE_CACHE sources used last, and a source whose compiling
     runs out of steps is not kept: it fails again, under the same step count, on every call."""
     from node import template
-    template._COMPILED.clear()
+    template._compile.cache_clear()
     src = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
-    for who in ("a", "b"):
-        assert template._render_bounded(src, {"messages": [{"role": who, "content": "x"}]}) == f"{who}:x;"
-    assert list(template._COMPILED) == [src]
+
+    def compiles(source, context):   # render; how many compilations that took
+        before = template._compile.cache_info().misses
+        template._render_bounded(source, context)
+        return template._compile.cache_info().misses - before
+    assert [compiles(src, {"messages": [{"role": w, "content": "x"}]}) for w in "ab"] == [1, 0]
+    assert template._render_bounded(src, {"messages": [{"role": "c", "content": "y"}]}) == "c:y;"
     for i in range(template.TEMPLATE_CACHE + 2):
-        assert template._render_bounded(f"{{{{ {i} }}}}", {}) == str(i)
-        assert template._render_bounded(src, {"messages": []}) == ""   # used again each time: kept
-    assert len(template._COMPILED) == template.TEMPLATE_CACHE and src in template._COMPILED
+        assert compiles(f"{{{{ {i} }}}}", {}) == 1 and compiles(src, {"messages": []}) == 0   # used each time: kept
     for i in range(template.TEMPLATE_CACHE):
-        template._render_bounded(f"{{{{ {i} }}}}!", {})
-    assert src not in template._COMPILED
+        compiles(f"{{{{ {i} }}}}!", {})
+    assert compiles(src, {"messages": []}) == 1                                           # evicted
     slow = "{{ " + " + ".join(["1"] * 200) + " }}"   # constant folding while compiling
     old = template.TEMPLATE_STEPS
     try:
         template.TEMPLATE_STEPS = 50
-        for _ in range(2):
+        misses = template._compile.cache_info().misses
+        for _ in range(2):   # kept, the second call would render the folded constant within the steps
             with pytest.raises(jinja2.TemplateError, match="more than 50 steps"):
                 template._render_bounded(slow, {})
-        assert slow not in template._COMPILED
+        assert template._compile.cache_info().misses == misses + 2
     finally:
         template.TEMPLATE_STEPS = old
 
@@ -333,7 +336,7 @@ def test_a_bug_in_a_step_fails_only_the_requests_that_hit_it(caplog):
     for i in (2, 3):
         assert ends[i][0] == "done" and ends[i][1].digest == want[i], (i, ends[i])
     assert ends[len(recs)][0] == "done" and ends[len(recs)][1].digest == want[2]
-    assert "running them one by one" in caplog.text
+    assert "of the failed step one by one" in caplog.text
 
 
 def test_a_broken_engine_still_answers_the_requests_of_its_failed_step():
