@@ -10,6 +10,7 @@ sequence's logits never depend on what else is in the step.
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Sequence
 
 import numpy as np
@@ -90,9 +91,12 @@ class Engine:
         return seq
 
     def fork(self, src: int, n_tokens: int) -> int:
-        """New sequence whose KV cache is a copy of the first ``n_tokens`` of ``src``."""
-        if not 0 <= n_tokens <= self._len[src]:
-            raise RequestError(f"cannot reuse {n_tokens} tokens of a {self._len[src]}-token sequence")
+        """New sequence whose KV cache is a copy of the first ``n_tokens`` of ``src``.
+        Raises :class:`RequestError` for an unknown ``src`` or ``n_tokens`` outside
+        ``[0, length(src)]``."""
+        n = self.length(src)
+        if type(n_tokens) is not int or not 0 <= n_tokens <= n:
+            raise RequestError(f"cannot reuse {n_tokens!r} tokens of a {n}-token sequence")
         seq = next(self._ids)
         self.backend.kv_copy_prefix(src, seq, n_tokens)
         self._len[seq] = n_tokens
@@ -104,7 +108,13 @@ class Engine:
         self._len.pop(seq, None)
 
     def length(self, seq: int) -> int:
-        return self._len[seq]
+        """Tokens in ``seq``'s KV cache. Raises :class:`RequestError` for an id that
+        :meth:`new_sequence` or :meth:`fork` did not return, or that was released
+        (an error the caller made, which every tensor-parallel rank raises alike)."""
+        try:
+            return self._len[seq]
+        except (KeyError, TypeError):           # TypeError: an unhashable id
+            raise RequestError(f"unknown sequence {seq!r} (never allocated, or released)") from None
 
     # ---- forward -----------------------------------------------------------
     def forward(self, chunks: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False) -> list[np.ndarray]:
@@ -114,26 +124,32 @@ class Engine:
         chunk continues its sequence at position ``length(seq)``.
         Returns, per chunk, fp32 logits ``[n_tokens, n_vocab]`` when
         ``all_logits`` else ``[n_vocab]`` for the chunk's last token.
-        Raises :class:`RequestError` past the context length and
+        Raises :class:`RequestError` for no chunks, an unknown sequence, two chunks
+        of one sequence, an empty chunk, a token id that is not an integer in
+        ``[0, n_vocab)`` or a step past the context length, and
         :class:`NumericFault` if a NaN appears (no sequence grows then).
         """
         hp, be = self.hp, self.backend
-        seqs = [s for s, _ in chunks]
-        if len(set(seqs)) != len(seqs):
-            raise RequestError("a step may hold at most one chunk per sequence")
+        if not chunks:
+            raise RequestError("a step needs at least one chunk")
         toks, pos, spans = [], [], []
         for seq, tk in chunks:
-            n0 = self._len[seq]
-            if not tk:
+            n0 = self.length(seq)
+            if len(tk) == 0:
                 raise RequestError("empty chunk")
             if n0 + len(tk) > self.n_ctx:
                 raise RequestError(f"sequence would reach {n0 + len(tk)} tokens, past the context of {self.n_ctx}")
             spans.append((len(toks), len(toks) + len(tk)))
-            toks.extend(int(t) for t in tk)
+            try:
+                toks.extend(operator.index(t) for t in tk)
+            except TypeError:
+                raise RequestError("token ids must be integers") from None
             pos.extend(range(n0, n0 + len(tk)))
-        tok_arr = np.asarray(toks, np.int64)
-        if tok_arr.min() < 0 or tok_arr.max() >= hp.n_vocab:
+        if len({s for s, _ in chunks}) != len(chunks):
+            raise RequestError("a step may hold at most one chunk per sequence")
+        if min(toks) < 0 or max(toks) >= hp.n_vocab:
             raise RequestError(f"token id out of range [0, {hp.n_vocab})")
+        tok_arr = np.asarray(toks, np.int64)
         pos_arr = np.asarray(pos, np.int64)
         rows = np.arange(len(toks)) if all_logits else np.asarray([b - 1 for _, b in spans])
         be.begin_step([(seq, a, b) for (seq, _), (a, b) in zip(chunks, spans)], pos_arr, replay=not all_logits)

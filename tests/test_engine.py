@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planted import Wrapped
+from planted import Wrapped, misuse_cases
 from node.engine import Engine
 from node.gguf_model import load_model
 from node.synth import write_model
@@ -131,6 +131,21 @@ def test_every_quant_type_batch_invariant(tmp_path, qtype):
         out = eng.forward([(other, [a % 300, 1]), (target, toks[a:a + 7])], all_logits=True)
         got.append(out[1])
     assert np.concatenate(got).tobytes() == want.tobytes()
+
+
+def test_engine_misuse_is_a_request_error_and_changes_nothing(tiny):
+    """An unknown or released sequence id, a bad fork length, an empty or
+    duplicated chunk and non-integer or out-of-range token ids are each a
+    RequestError (not a KeyError or numpy's error); afterwards the live
+    sequence still gives its solo logits."""
+    from node.errors import RequestError
+    eng = Engine(tiny)
+    cases, live = misuse_cases(eng, tiny.hparams.n_vocab)
+    for call, message in cases:
+        with pytest.raises(RequestError, match=message):
+            call()
+    assert eng.length(live) == 0
+    assert eng.forward([(live, [5, 6, 7])], all_logits=True)[0].tobytes() == solo_logits(tiny, [5, 6, 7]).tobytes()
 
 
 @pytest.mark.parametrize("n_ctx", [0, -5, 2.5, 1 << 21, "8", True])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from node import reference as ref
+from planted import misuse_cases
 from node.engine import Engine
 from node.errors import ModelError
 from node.gguf_model import default_model_path, load_model
@@ -291,8 +292,8 @@ def test_tp_processes_break_cleanly_on_a_mid_gather_death_or_interrupt():
 
     eng = TpEngine(model, 2, n_ctx=512)
     try:
-        with pytest.raises(BitexactError, match="KeyError"):             # not a request error: a fault
-            eng.length(12345)
+        with pytest.raises(BitexactError, match="AttributeError"):       # a bug on the ranks: a fault
+            eng._call("no_such_method")
         with pytest.raises(BitexactError, match="must be restarted"):
             eng.new_sequence()
     finally:
@@ -341,6 +342,27 @@ def test_a_request_error_on_one_rank_only_stops_the_others(tmp_path, monkeypatch
         assert time.monotonic() - t0 < 30 and eng.broken
         with pytest.raises(BitexactError, match="restarted"):
             eng.length(seq)
+    finally:
+        eng.close()
+
+
+def test_tp_engine_misuse_is_a_request_error_and_leaves_it_usable(tmp_path):
+    """Every rank raises the same RequestError for a call the caller got wrong
+    (unknown sequence, bad fork length, bad token ids, ...), so the
+    tensor-parallel engine stays usable, as Engine does, instead of breaking."""
+    from node.errors import RequestError
+    from node.tp_runtime import TpEngine
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, "Q8_0", seed=7))
+    eng = TpEngine(model, 2, n_ctx=256)
+    try:
+        cases, live = misuse_cases(eng, model.hparams.n_vocab)
+        for call, message in cases:
+            with pytest.raises(RequestError, match=message):
+                call()
+        assert eng.broken is None and eng.length(live) == 0
+        one = Engine(model, n_ctx=256)
+        assert eng.forward([(live, [5, 6, 7])], all_logits=True)[0].tobytes() == \
+            one.forward([(one.new_sequence(), [5, 6, 7])], all_logits=True)[0].tobytes()
     finally:
         eng.close()
 
