@@ -330,8 +330,8 @@ class TpEngine:
                 if p.is_alive():
                     p.kill()
 
-    def _replies(self, startup: bool = False):
-        """Every rank's reply to the last message: rank 0's result, the request
+    def _replies(self, startup: bool = False, ranks: range | None = None):
+        """The reply of every rank in ``ranks`` (default: all) to the last message: rank 0's result, the request
         error all ranks raised, or a fault that breaks the engine. At
         ``startup`` a rank's error stops the others (GPU ranks would wait for
         it in NCCL's setup) and is raised. After a step's request error the
@@ -339,12 +339,13 @@ class TpEngine:
         errors alike before any gather, so a rank still silent then waits at a
         gather for the failed one (e.g. an out-of-memory on one GPU), and the
         ranks are stopped."""
+        ranks = range(self.tp) if ranks is None else ranks
         replies: dict[int, tuple] = {}
         first = None                                            # the first rank to die or fault
         deadline = None                                         # set by the first request error
         try:
-            while len(replies) < self.tp:
-                pending = {r: (self._conns[r], self._procs[r].sentinel) for r in range(self.tp) if r not in replies}
+            while len(replies) < len(ranks):
+                pending = {r: (self._conns[r], self._procs[r].sentinel) for r in ranks if r not in replies}
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 ready = set(wait([h for pair in pending.values() for h in pair], timeout=left))
                 if not ready:                                   # the grace after a request error ran out
@@ -377,33 +378,35 @@ class TpEngine:
         except BaseException:                                   # e.g. KeyboardInterrupt: replies left in the pipes
             self._break("interrupted while the ranks were working")
             raise
-        kinds = [replies[r][0] for r in range(self.tp)]
+        kinds = [replies[r][0] for r in ranks]
         if isinstance(first, BaseException):
             raise first
         if first is not None:
             raise self._break(first)
         if "err" in kinds:
-            errs = {(type(replies[r][1]), str(replies[r][1])) for r in range(self.tp)}
+            errs = {(type(replies[r][1]), str(replies[r][1])) for r in ranks}
             if "ok" in kinds or len(errs) != 1:
                 raise self._break(f"the tensor-parallel ranks disagree: {sorted(str(e[1]) for e in errs)}")
             raise replies[0][1]
         return replies[0][1]
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, ranks: range | None = None):
+        """Run ``method(*args)`` on every rank in ``ranks`` (default: all); see :meth:`_replies`."""
+        ranks = range(self.tp) if ranks is None else ranks
         if not self._conns:
             raise BitexactError("this tensor-parallel engine is closed")
         if self._broken:
             raise BitexactError(f"{self._broken}; the tensor-parallel engine must be restarted")
         try:
-            for conn in self._conns:
+            for r in ranks:
                 try:
-                    conn.send((method, args))
+                    self._conns[r].send((method, args))
                 except OSError:                  # a dead rank: _replies reports it
                     pass
         except BaseException:                    # e.g. KeyboardInterrupt: some ranks have the call, others not
             self._break("interrupted while sending a call to the ranks")
             raise
-        return self._replies()
+        return self._replies(ranks=ranks)
 
     def new_sequence(self) -> int:
         return self._call("new_sequence")
@@ -433,11 +436,14 @@ class TpEngine:
     def sample(self, picks, logits) -> list[int]:
         """Token ids for rows of the last :meth:`forward` (see
         :meth:`node.engine.Engine.sample`). On GPU ranks the rows are drawn on
-        the GPUs from the step's gathered device logits, which every rank holds
-        alike (:meth:`node.engine.Engine.sample_on_device`; rank 0's ids are
-        returned); on CPU ranks, on the host."""
+        rank 0's GPU from the step's gathered device logits
+        (:meth:`node.engine.Engine.sample_on_device`): a draw changes no state,
+        so the other ranks need not draw, and an error of rank 0's draw (e.g.
+        out of GPU memory) fails the step's requests without breaking the
+        engine. On CPU ranks the rows are drawn on the host."""
         cuda = self.device == "cuda"
-        return draw_rows(picks, logits, (lambda picks: self._call("sample_on_device", picks)) if cuda else None)
+        return draw_rows(picks, logits,
+                         (lambda picks: self._call("sample_on_device", picks, ranks=range(1))) if cuda else None)
 
     def close(self) -> None:
         """Stop the rank processes and free the shared memory (idempotent)."""

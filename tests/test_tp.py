@@ -360,6 +360,11 @@ def test_tp_engine_misuse_is_a_request_error_and_leaves_it_usable(tmp_path):
             with pytest.raises(RequestError, match=message):
                 call()
         assert eng.broken is None and eng.length(live) == 0
+        # a call to rank 0 alone (TpEngine.sample on GPU ranks): its request error leaves the
+        # engine usable, and the other ranks' pipes stay in step for the calls that follow
+        with pytest.raises(RequestError, match="unknown sequence"):
+            eng._call("length", 999, ranks=range(1))
+        assert eng._call("length", live, ranks=range(1)) == 0 and eng.broken is None
         one = Engine(model, n_ctx=256)
         assert eng.forward([(live, [5, 6, 7])], all_logits=True)[0].tobytes() == \
             one.forward([(one.new_sequence(), [5, 6, 7])], all_logits=True)[0].tobytes()

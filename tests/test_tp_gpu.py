@@ -121,14 +121,14 @@ def test_tp_engine_draws_seeded_rows_on_the_gpus(models):
     """TpEngine.sample on GPU ranks: the seeded rows go to the ranks' GPU sampler
     (the gathered device logits of the step: an eager prefill step, then
     graph-replayed decode steps; picks out of row order, one greedy), and every
-    row's id equals node/sampler.py's on the returned logits."""
+    row's id equals node/sampler.py's on the returned logits. Only rank 0 draws."""
     from node.sampler import SamplingParams, sample
     from node.tp_runtime import TpEngine
     _need(2)
     eng = TpEngine(models["Q8_0"], 2, device="cuda", pin=None, kv_pages=64)
     calls = []
     call = eng._call
-    eng._call = lambda method, *a: (calls.append(method), call(method, *a))[1]
+    eng._call = lambda method, *a, **kw: (calls.append((method, kw.get("ranks"))), call(method, *a, **kw))[1]
     try:
         rng = np.random.default_rng(8)
         seqs = [eng.new_sequence() for _ in range(5)]
@@ -141,7 +141,7 @@ def test_tp_engine_draws_seeded_rows_on_the_gpus(models):
             got = eng.sample(picks, outs)
             assert got == [sample(outs[r], p, pos) for r, p, pos in picks]
             outs = eng.forward([(s, [t]) for s, t in zip(seqs, got[::-1])])
-        assert calls.count("sample_on_device") == 4
+        assert calls.count(("sample_on_device", range(1))) == 4      # rank 0 alone draws
     finally:
         eng.close()
 
