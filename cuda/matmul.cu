@@ -386,6 +386,10 @@ __device__ __forceinline__ void bx_decode_chunk(const unsigned int* u, float* w)
 }
 
 // Chunk of V elements of WT: CB bytes, loaded as NW 32-bit words (or one 16-bit).
+// Weights are read once per launch, so they bypass L1 (L1::no_allocate) and
+// leave it to the x chunks every warp of the SM reads: measured on one NVIDIA
+// H200 (docs/benchmarks.md, "Twentieth session"), 8B BF16 down at batch 8
+// 194 -> 110 us, the 4-layer step 2.83 -> 2.18 ms at batch 8; the same bytes.
 template <int WT, int V>
 struct BxChunk {
     static constexpr int CB = V * (WT == BX_F32 ? 4 : 2);
@@ -395,13 +399,12 @@ struct BxChunk {
     __device__ __forceinline__ void load(const unsigned char* __restrict__ row, int idx) {
         const unsigned char* p = row + (size_t)idx * CB;
         if (CB == 16) {
-            uint4 v = *(const uint4*)p;
-            u[0] = v.x; u[1] = v.y; u[2] = v.z; u[3] = v.w;
+            asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(u[0]), "=r"(u[1]), "=r"(u[2]), "=r"(u[3]) : "l"(p));
         } else if (CB == 8) {
-            uint2 v = *(const uint2*)p;
-            u[0] = v.x; u[1] = v.y;
+            asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(u[0]), "=r"(u[1]) : "l"(p));
         } else if (CB == 4) {
-            u[0] = *(const unsigned int*)p;
+            asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(u[0]) : "l"(p));
         } else {
             u[0] = *(const unsigned short*)p;
         }
