@@ -350,9 +350,14 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
 
     async def read_json(request):
         """The body as JSON: UTF-8 (RFC 8259 section 8.1), with one content coding of
-        :data:`CODINGS` or none (a list of codings is a 415)."""
+        :data:`CODINGS` or none (a list of codings is a 415), and no transfer coding
+        but ``chunked`` (others are a 501, RFC 9112 section 6.1: aiohttp frames
+        ``gzip, chunked`` as chunked and would hand over the gzip bytes)."""
         if request.content_length is not None and request.content_length > max_body_bytes:
             raise too_large(max_body_bytes)   # before reading it
+        te = ", ".join(request.headers.getall("Transfer-Encoding", []))   # every header line
+        if te and [c.strip(" \t").lower() for c in te.split(",")] != ["chunked"]:
+            raise ApiError(501, f"unsupported Transfer-Encoding {te!r}: chunked alone, or none")
         header = ", ".join(request.headers.getall("Content-Encoding", []))   # every header line
         coding = header.strip().lower()
         if coding not in ("", "identity", *CODINGS):

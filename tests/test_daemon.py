@@ -361,8 +361,9 @@ def test_expect_encodings_and_charsets(key, tmp_path):
     its 413 first, an unknown expectation a 417); a body must be UTF-8 JSON (RFC 8259) with at
     one gzip or deflate coding or none (else 415); a coded body is decoded whole: one that
     does not decode, ends before its trailer or has bytes after it is a 400, one that
-    decodes past the size limit a 413; none of these is logged. A client that leaves after
-    its headers (before or after its 100) is one warning line."""
+    decodes past the size limit a 413; a transfer coding other than chunked alone is a 501
+    (RFC 9112 section 6.1); none of these is logged. A client that leaves after its headers
+    (before or after its 100) is one warning line."""
     d = Daemon(key, str(tmp_path / "data"))
     ok = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
     pack = zlib.compressobj(wbits=-zlib.MAX_WBITS)   # raw RFC 1951 data, no zlib header
@@ -417,6 +418,15 @@ def test_expect_encodings_and_charsets(key, tmp_path):
             assert status == want, (enc, data[:20], status, body)
             if message:
                 assert message in json.loads(body)["error"]["message"], (enc, body)
+        for te, data, want in [(b"chunked", ok, b"200"), (b"Chunked", ok, b"200"),
+                               (b"gzip, chunked", gzip.compress(ok), b"501"),     # RFC 9112 section 6.1
+                               (b"deflate,chunked", zlib.compress(ok), b"501")]:
+            status, body = _exchange(d.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                             b"application/json\r\nTransfer-Encoding: %s\r\n\r\n" % te,
+                                     b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+            assert status == want, (te, status, body)
+            if want == b"501":
+                assert "unsupported Transfer-Encoding" in json.loads(body)["error"]["message"], body
     finally:
         assert d.stop() == 0
     # The refusals above are the node's JSON answers, not logged. Each client that left after its headers is at
