@@ -140,6 +140,8 @@ class Engine:
             if n0 + len(tk) > self.n_ctx:
                 raise RequestError(f"sequence would reach {n0 + len(tk)} tokens, past the context of {self.n_ctx}")
             spans.append((len(toks), len(toks) + len(tk)))
+            if any(type(t) is bool for t in tk):
+                raise RequestError("token ids must be integers, not booleans")
             try:
                 toks.extend(operator.index(t) for t in tk)
             except TypeError:

@@ -30,5 +30,6 @@ def misuse_cases(eng, n_vocab):
             (lambda: eng.forward([(live, [1]), (live, [2])]), "at most one chunk per sequence"),
             (lambda: eng.forward([(live, [1.5])]), "token ids must be integers"),
             (lambda: eng.forward([(live, ["1"])]), "token ids must be integers"),
+            (lambda: eng.forward([(live, [True])]), "not booleans"),
             (lambda: eng.forward([(live, [2 ** 70])]), "token id out of range"),
             (lambda: eng.forward([(live, [n_vocab])]), "token id out of range")], live
