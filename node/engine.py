@@ -103,7 +103,12 @@ class Engine:
         return seq
 
     def release(self, seq: int) -> None:
-        """Free a sequence's KV cache."""
+        """Free a sequence's KV cache (an unknown id: nothing to free). Raises
+        :class:`RequestError` for an id that cannot be one (unhashable)."""
+        try:
+            hash(seq)
+        except TypeError:                       # as length() does: every rank raises it alike
+            raise RequestError(f"unknown sequence {seq!r} (never allocated, or released)") from None
         self.backend.kv_free(seq)
         self._len.pop(seq, None)
 

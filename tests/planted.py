@@ -21,6 +21,7 @@ def misuse_cases(eng, n_vocab):
     return [(lambda: eng.length(12345), "unknown sequence 12345"),
             (lambda: eng.length(gone), "unknown sequence"),
             (lambda: eng.length([1]), "unknown sequence"),
+            (lambda: eng.release([1]), "unknown sequence"),
             (lambda: eng.fork(gone, 0), "unknown sequence"),
             (lambda: eng.fork(live, 1), "cannot reuse 1 tokens of a 0-token"),
             (lambda: eng.fork(live, 0.0), "cannot reuse 0.0 tokens"),
