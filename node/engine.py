@@ -137,6 +137,10 @@ class Engine:
         hp, be = self.hp, self.backend
         if not chunks:
             raise RequestError("a step needs at least one chunk")
+        try:
+            all_logits = bool(all_logits)
+        except (TypeError, ValueError):         # e.g. an array: its rank would fault, breaking a TpEngine
+            raise RequestError(f"all_logits must be true or false, got {all_logits!r}") from None
         toks, pos, spans = [], [], []
         for seq, tk in chunks:
             n0 = self.length(seq)

@@ -1,6 +1,8 @@
 """Engines with planted faults, for tests: a wrapper that passes everything to the
 real engine except what a subclass defines; and calls with planted mistakes."""
 
+import numpy as np
+
 
 class Wrapped:
     """``engine`` itself, except for the attributes a subclass defines."""
@@ -33,4 +35,5 @@ def misuse_cases(eng, n_vocab):
             (lambda: eng.forward([(live, ["1"])]), "token ids must be integers"),
             (lambda: eng.forward([(live, [True])]), "not booleans"),
             (lambda: eng.forward([(live, [2 ** 70])]), "token id out of range"),
-            (lambda: eng.forward([(live, [n_vocab])]), "token id out of range")], live
+            (lambda: eng.forward([(live, [n_vocab])]), "token id out of range"),
+            (lambda: eng.forward([(live, [1])], all_logits=np.array([1, 0])), "all_logits must be")], live
