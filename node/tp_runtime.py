@@ -25,11 +25,12 @@ import signal
 import time
 from multiprocessing import shared_memory
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 
 from .engine import Engine, default_n_ctx, draw_rows
-from .errors import BitexactError, ModelError
+from .errors import BitexactError, ModelError, RequestError
 from .gguf_model import Model, load_model
 from .tp import ShardPlan, TpCpuBackend, check_degree
 
@@ -398,9 +399,14 @@ class TpEngine:
         if self._broken:
             raise BitexactError(f"{self._broken}; the tensor-parallel engine must be restarted")
         try:
+            msg = ForkingPickler.dumps((method, args))   # once, before any rank has the call
+        except Exception as e:  # noqa: BLE001 - e.g. a lambda among the token ids: nothing was sent
+            raise RequestError(f"the arguments of {method} cannot be sent to the ranks: "
+                               f"{type(e).__name__}: {e}") from None
+        try:
             for r in ranks:
                 try:
-                    self._conns[r].send((method, args))
+                    self._conns[r].send_bytes(msg)       # what Connection.send writes
                 except OSError:                  # a dead rank: _replies reports it
                     pass
         except BaseException:                    # e.g. KeyboardInterrupt: some ranks have the call, others not

@@ -360,6 +360,12 @@ def test_tp_engine_misuse_is_a_request_error_and_leaves_it_usable(tmp_path):
             with pytest.raises(RequestError, match=message):
                 call()
         assert eng.broken is None and eng.length(live) == 0
+        # an argument that cannot be pickled reaches no rank: a request error (Engine's is one
+        # too), not an engine broken as if interrupted mid-send
+        for call in (lambda: eng.forward([(live, [lambda: 0])]), lambda: eng.length(lambda: 0)):
+            with pytest.raises(RequestError, match="cannot be sent to the ranks"):
+                call()
+        assert eng.broken is None and eng.length(live) == 0
         # a call to rank 0 alone (TpEngine.sample on GPU ranks): its request error leaves the
         # engine usable, and the other ranks' pipes stay in step for the calls that follow
         with pytest.raises(RequestError, match="unknown sequence"):
@@ -399,7 +405,7 @@ def test_tp_call_interrupted_while_sending_breaks_the_engine(tmp_path):
         real = eng._conns[1]
 
         class Interrupted:
-            def send(self, msg):
+            def send_bytes(self, msg):                        # TpEngine._call's send of the pickled call
                 eng._conns[1] = real
                 raise KeyboardInterrupt
 
