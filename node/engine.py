@@ -95,11 +95,15 @@ class Engine:
         Raises :class:`RequestError` for an unknown ``src`` or ``n_tokens`` outside
         ``[0, length(src)]``."""
         n = self.length(src)
-        if type(n_tokens) is not int or not 0 <= n_tokens <= n:
+        try:                                    # an integer, numpy's too (as forward's token ids), no bool
+            k = -1 if type(n_tokens) is bool else operator.index(n_tokens)
+        except TypeError:
+            k = -1
+        if not 0 <= k <= n:
             raise RequestError(f"cannot reuse {n_tokens!r} tokens of a {n}-token sequence")
         seq = next(self._ids)
-        self.backend.kv_copy_prefix(src, seq, n_tokens)
-        self._len[seq] = n_tokens
+        self.backend.kv_copy_prefix(src, seq, k)
+        self._len[seq] = k
         return seq
 
     def release(self, seq: int) -> None:

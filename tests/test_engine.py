@@ -148,6 +148,17 @@ def test_engine_misuse_is_a_request_error_and_changes_nothing(tiny):
     assert eng.forward([(live, [5, 6, 7])], all_logits=True)[0].tobytes() == solo_logits(tiny, [5, 6, 7]).tobytes()
 
 
+def test_numpy_integers_are_accepted_alike(tiny):
+    """A numpy integer serves as a token id (forward) and as a fork length alike."""
+    eng = Engine(tiny)
+    donor = eng.new_sequence()
+    eng.forward([(donor, np.asarray([5, 6, 7]))])
+    seq = eng.fork(donor, np.int64(2))
+    assert eng.length(seq) == 2 and type(eng.length(seq)) is int
+    got = eng.forward([(seq, [np.int32(7)])], all_logits=True)[0]
+    assert got.tobytes() == solo_logits(tiny, [5, 6, 7])[2:].tobytes()
+
+
 @pytest.mark.parametrize("n_ctx", [0, -5, 2.5, 1 << 21, "8", True])
 def test_engine_rejects_a_bad_context_length(n_ctx):
     from node.errors import RequestError
