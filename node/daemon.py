@@ -356,7 +356,7 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         if request.content_length is not None and request.content_length > max_body_bytes:
             raise too_large(max_body_bytes)   # before reading it
         te = ", ".join(request.headers.getall("Transfer-Encoding", []))   # every header line
-        if te and [c.strip(" \t").lower() for c in te.split(",")] != ["chunked"]:
+        if te and [c for c in (c.strip(" \t").lower() for c in te.split(",")) if c] != ["chunked"]:   # "" ignored
             raise ApiError(501, f"unsupported Transfer-Encoding {te!r}: chunked alone, or none")
         header = ", ".join(request.headers.getall("Content-Encoding", []))   # every header line
         coding = header.strip().lower()

@@ -419,6 +419,7 @@ def test_expect_encodings_and_charsets(key, tmp_path):
             if message:
                 assert message in json.loads(body)["error"]["message"], (enc, body)
         for te, data, want in [(b"chunked", ok, b"200"), (b"Chunked", ok, b"200"),
+                               (b", chunked", ok, b"200"),       # an empty list element (RFC 9110 5.6.1)
                                (b"gzip, chunked", gzip.compress(ok), b"501"),     # RFC 9112 section 6.1
                                (b"deflate,chunked", zlib.compress(ok), b"501")]:
             status, body = _exchange(d.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
