@@ -333,28 +333,33 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
 
     async def expect_continue(request):
         """``Expect: 100-continue`` (RFC 9110 section 10.1.1): a 100 only for a body the
-        node will read; one declared larger than ``max_body_bytes`` gets its 413 now,
-        with ``Connection: close``, any other expectation a 417. Returning None goes on
+        node will read; one it would refuse from its headers (:func:`body_coding`:
+        413, 415, 501) gets that answer now, with ``Connection: close``, and any
+        other expectation a 417. Returning None goes on
         to the route's handler."""
         expect = ", ".join(request.headers.getall("Expect", []))   # every header line
         if expect.lower() != "100-continue":
             return ApiError(417, f"unsupported Expect: {expect!r}").response()
-        if request.content_length is not None and request.content_length > max_body_bytes:
-            resp = too_large(max_body_bytes).response()
-            resp.force_close()
-            return resp
+        if request.body_exists:
+            try:
+                body_coding(request)
+            except ApiError as e:       # the 413, 415 or 501 the body would get, before it is sent
+                resp = e.response()
+                resp.force_close()
+                return resp
         if request.version >= (1, 1):
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.writer.output_size = 0    # the 100 is not part of the response
         return None
 
-    async def read_json(request):
-        """The body as JSON: UTF-8 (RFC 8259 section 8.1), with one content coding of
-        :data:`CODINGS` or none (a list of codings is a 415), and no transfer coding
-        but ``chunked`` (others are a 501, RFC 9112 section 6.1: aiohttp frames
-        ``gzip, chunked`` as chunked and would hand over the gzip bytes)."""
+    def body_coding(request) -> str:
+        """The body's content coding (lower case; "" or "identity": none), from its
+        headers alone. Raises :class:`ApiError`: 413 for a declared length over
+        ``max_body_bytes``, 501 for a transfer coding but ``chunked`` (RFC 9112
+        section 6.1: aiohttp frames ``gzip, chunked`` as chunked and would hand over
+        the gzip bytes), 415 for a content coding not of :data:`CODINGS` (or a list)."""
         if request.content_length is not None and request.content_length > max_body_bytes:
-            raise too_large(max_body_bytes)   # before reading it
+            raise too_large(max_body_bytes)
         te = ", ".join(request.headers.getall("Transfer-Encoding", []))   # every header line
         if te and [c for c in (c.strip(" \t").lower() for c in te.split(",")) if c] != ["chunked"]:   # "" ignored
             raise ApiError(501, f"unsupported Transfer-Encoding {te!r}: chunked alone, or none")
@@ -362,6 +367,12 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         coding = header.strip().lower()
         if coding not in ("", "identity", *CODINGS):
             raise ApiError(415, f"unsupported Content-Encoding {header!r}: one of {', '.join(CODINGS)} or none")
+        return coding
+
+    async def read_json(request):
+        """The body as JSON: UTF-8 (RFC 8259 section 8.1), its framing and coding as
+        :func:`body_coding` accepts them."""
+        coding = body_coding(request)   # before reading it
         try:
             raw = await asyncio.wait_for(request.read(), body_timeout_s)
         except asyncio.TimeoutError:

@@ -358,7 +358,7 @@ def _exchange(port, head: bytes, body: bytes = b"", body_after_100: bool = False
 
 def test_expect_encodings_and_charsets(key, tmp_path):
     """Expect: 100-continue gets a 100 only for a body the node reads (an oversize one gets
-    its 413 first, an unknown expectation a 417); a body must be UTF-8 JSON (RFC 8259) with at
+    its 413 first, an unsupported coding its 415 or 501, an unknown expectation a 417); a body must be UTF-8 JSON (RFC 8259) with at
     one gzip or deflate coding or none (else 415); a coded body is decoded whole: one that
     does not decode, ends before its trailer or has bytes after it is a 400, one that
     decodes past the size limit a 413; a transfer coding other than chunked alone is a 501
@@ -386,6 +386,11 @@ def test_expect_encodings_and_charsets(key, tmp_path):
         status, body = _exchange(d.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                                           b"\r\nExpect: 100-continue\r\nContent-Length: 100000000\r\n\r\n")
         assert status == b"413" and "larger than" in json.loads(body)["error"]["message"], (status, body)
+        for extra, want in ((b"Content-Encoding: br\r\nContent-Length: 9", b"415"),
+                            (b"Transfer-Encoding: gzip, chunked", b"501")):   # refused from the headers: no 100
+            status, body = _exchange(d.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                              b"application/json\r\nExpect: 100-continue\r\n%s\r\n\r\n" % extra)
+            assert status == want and "unsupported" in json.loads(body)["error"]["message"], (extra, status, body)
         status, body = post(b"Expect: 200-ok\r\n", ok)
         assert status == b"417" and json.loads(body)["error"]["message"] == "unsupported Expect: '200-ok'"
         status, body = post(b"Expect: 100-continue\r\nExpect: foo\r\n", ok)
