@@ -870,8 +870,15 @@ class CudaBackend:
             pages.append(self._free_pages.pop())
 
     def kv_copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Give ``dst`` pages for ``n`` positions and copy ``src``'s into them.
+        Raises :class:`GpuError` when the KV cache has too few free pages (``dst``
+        then holds none)."""
         self._pages[dst] = []
-        self._grow(dst, n)
+        try:
+            self._grow(dst, n)
+        except GpuError:
+            del self._pages[dst]
+            raise
         with self.stream:   # the steps' stream (non-blocking: the caller's default stream would not order the copies)
             for sp, dp in zip(self._pages[src], self._pages[dst]):
                 self.kp[:, dp] = self.kp[:, sp]

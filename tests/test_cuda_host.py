@@ -272,3 +272,17 @@ def test_a_capture_that_fails_reports_its_own_error_not_end_capture_s(backend):
         step(be, [(1, [5, 6])])
     assert [e["graph"] for e in be._graph_cache.values()] == [None]
     assert step(be, [(1, [5, 6])]).tolist() == [[6.0] * V] and len(ends) == 2
+
+
+def test_a_fork_into_a_full_kv_cache_fails_and_leaves_no_sequence_behind(backend):
+    """Forking more positions than the free pages hold is a GpuError, and the new id
+    keeps no (empty) page list: before, every failed fork left an entry behind."""
+    be = backend
+    be.kp = be.vp = np.zeros((1, 16), np.float32)
+    be.kv_alloc(1)
+    be._grow(1, 300)                # two of the 15 free pages
+    free = list(be._free_pages)
+    with pytest.raises(GpuError, match="KV cache full"):
+        be.kv_copy_prefix(1, 2, 256 * 16)
+    assert 2 not in be._pages and be._free_pages == free
+
