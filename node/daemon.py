@@ -329,7 +329,6 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
     for name in ("aiohttp.server", "asyncio"):     # asyncio: e.g. accept() out of file descriptors
         logging.getLogger(name).addFilter(ONE_LINE_ERRORS)     # once: addFilter skips a repeat
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
-    app["node"] = node
 
     async def expect_continue(request):
         """``Expect: 100-continue`` (RFC 9110 section 10.1.1): a 100 only for a body the
