@@ -175,6 +175,9 @@ def _serve(args, tok, key, engine) -> None:
     except sqlite3.Error as e:
         sock.close()
         raise BitexactError(f"cannot open the attestation store in {args.data_dir}: {e}") from None
+    except BitexactError:   # a store another key signed
+        sock.close()
+        raise
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tp = f" (tensor parallel: {args.tp} rank processes{' on as many GPUs' if engine.device == 'cuda' else ''})" \
         if args.tp != 1 else ""

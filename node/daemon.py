@@ -31,7 +31,7 @@ from attest.envelope import open_envelope, seal
 
 from . import __version__
 from .engine import Engine
-from .errors import AttestationError, BitexactError, RequestError, one_line
+from .errors import AttestationError, BitexactError, KeyError_, RequestError, one_line
 from .generate import Request, build_request
 from .provenance import build_payload, device_record
 from .sampler import SamplingParams
@@ -171,6 +171,7 @@ class Node:
         self.pin = pin if engine.device == "cuda" else None
         self.model_id = str(engine.model.metadata.get("general.name") or "bitexact")
         self.store = AttestationStore(data_dir)
+        self._check_store_key(data_dir)
         self.registry = CollectorRegistry()
         r = self.registry
         self.m_queue = Gauge("bitexact_queue_depth", "Requests waiting for a batch slot", registry=r)
@@ -181,6 +182,22 @@ class Node:
         self.m_latency = Histogram("bitexact_request_seconds", "Request latency", registry=r)
         self.scheduler = Scheduler(engine, tok, max_batch, max_queue, on_step=self._on_step, step_tokens=step_tokens)
         self.store_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bitexact-store")
+
+    def _check_store_key(self, data_dir: str) -> None:
+        """Refuse a store whose attestations another key signed (its earliest row
+        decides): this node would answer every one of them with a 500, since it
+        serves only what it signed. Raises :class:`KeyError_`; a damaged earliest
+        row is left to the request that fetches it (a logged 500)."""
+        blob = self.store.first()
+        try:
+            signer = open_envelope(blob)["signer"]["public_key"] if isinstance(blob, bytes) else None
+        except (AttestationError, KeyError, TypeError):
+            return
+        if signer is not None and signer != self.public_raw:
+            self.store.close()
+            raise KeyError_(f"the attestation store in {data_dir} holds attestations signed by key id "
+                            f"{keys.key_id(signer)}, not by this key ({self.key_id}): serve a new key from "
+                            f"another --data-dir (attestations stay verifiable with the key that signed them)")
 
     def _on_step(self, batch: int, fed: int, sampled: int) -> None:
         self.m_batch.set(batch)

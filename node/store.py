@@ -87,6 +87,13 @@ class AttestationStore:
             raise sqlite3.DatabaseError(f"the row of attestation {att_id} holds a blob whose SHA-256 is not its id")
         return blob
 
+    def first(self) -> bytes | None:
+        """The earliest stored attestation file (by insertion), or None for an empty
+        store. Raises ``sqlite3.Error`` on I/O failure."""
+        with self._lock:
+            row = self._db.execute("SELECT blob FROM attestations ORDER BY rowid LIMIT 1").fetchone()
+        return None if row is None else row[0]
+
     def count(self) -> int:
         with self._lock:
             return self._db.execute("SELECT COUNT(*) FROM attestations").fetchone()[0]

@@ -501,6 +501,30 @@ MALFORMED_HTTP = (
 )
 
 
+def test_a_store_another_key_signed_is_refused_at_start(key, tmp_path):
+    """Serving a new key from a data folder the old key filled would answer every stored
+    attestation with a 500 (the node serves only what it signed): the node refuses to
+    start, in one line naming both key ids, exit 2. The old key still serves the folder."""
+    data = str(tmp_path / "data")
+    d = Daemon(key, data)
+    try:
+        r = d.client.completions.with_raw_response.create(model=d.model, prompt="Hi", max_tokens=1)
+        old_id = r.headers["X-Bitexact-Key-Id"]
+    finally:
+        assert d.stop() == 0
+    other = str(tmp_path / "other.pem")
+    subprocess.run([sys.executable, "-m", "node.cli", "keygen", "--out", other], check=True, capture_output=True)
+    p = subprocess.run([sys.executable, "-m", "node.cli", "serve", "--key", other, "--data-dir", data, "--port", "0",
+                        "--device", DEVICE], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr[-3000:]
+    assert f"signed by key id {old_id}" in p.stderr and "another --data-dir" in p.stderr, p.stderr
+    d = Daemon(key, data)
+    try:
+        assert d.get(f"/v1/attestations/{r.headers['X-Bitexact-Attestation-Id']}").status == 200
+    finally:
+        assert d.stop() == 0
+
+
 def test_a_bad_store_row_is_a_500_and_one_log_line(key, tmp_path):
     """A row that is not the file its id names (an integer, other bytes) and one that is
     but is no attestation: fetched as the file or as JSON, each is a JSON 500 with one
