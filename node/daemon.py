@@ -86,7 +86,11 @@ UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": None, "suffix": N
                "min_p": None, "typical_p": 1, "tfs_z": 1, "top_a": None, "mirostat": None,
                "dynatemp_range": None, "xtc_probability": None, "dry_multiplier": None, "min_tokens": None,
                "ignore_eos": None, "grammar": None, "json_schema": None, "guided_json": None,
-               "guided_regex": None, "guided_choice": None, "n_probs": None}
+               "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
+               "n_probs": None, "mirostat_mode": None, "length_penalty": 1, "use_beam_search": None,
+               "prompt_logprobs": None, "logits_processors": None, "bad_words": None, "allowed_token_ids": None}
+# Output constraints: an empty schema, regex or list still constrains the output, so only null is neutral.
+CONSTRAINTS = {"json_schema", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
 
 
 CODINGS = ("gzip", "deflate")   # request content codings the node decodes (one, alone)
@@ -231,7 +235,7 @@ class Node:
             raise ApiError(400, "only n=1 is supported", param="n")
         for name, neutral in UNSUPPORTED.items():
             value = body.get(name)
-            if value and value != neutral:
+            if value is not None if name in CONSTRAINTS else value and value != neutral:
                 raise ApiError(400, f"'{name}' is not supported by this node", param=name)
         # Types here; ranges in SamplingParams.validate and build_request (one rule each).
         given = [n for n in ("max_tokens", "max_completion_tokens") if body.get(n) is not None]

@@ -274,11 +274,16 @@ def test_a_chat_request_with_temperature_negative_zero_is_refused(daemon):
 @pytest.mark.parametrize("extra,param", [({"tool_choice": "auto"}, "tool_choice"),
                                          ({"parallel_tool_calls": True}, "parallel_tool_calls"),
                                          ({"response_format": {"type": "json_object"}}, "response_format"),
+                                         ({"guided_json": {}}, "guided_json"),   # an empty schema: any JSON
+                                         ({"guided_regex": ""}, "guided_regex"),
+                                         ({"mirostat_mode": 2}, "mirostat_mode"),
+                                         ({"length_penalty": 1.1}, "length_penalty"),
                                          ({"msg": {"name": "bob"}}, "messages"),
                                          ({"msg": {"tool_calls": [{"id": "x"}]}}, "messages")])
 def test_bad_chat_requests_name_the_unsupported_field(daemon, extra, param):
     """Chat fields this node does not implement are refused, not dropped: the
-    answer would otherwise not be what the client asked for."""
+    answer would otherwise not be what the client asked for. An output constraint
+    counts as set even when empty (an empty JSON schema still asks for JSON)."""
     msg = {"role": "user", "content": "hi", **extra.pop("msg", {})}
     code, err = daemon.post_raw("/v1/chat/completions", json.dumps({"messages": [msg], "max_tokens": 1, **extra}).encode())
     assert code == 400 and err["error"]["param"] == param, err
@@ -287,7 +292,8 @@ def test_bad_chat_requests_name_the_unsupported_field(daemon, extra, param):
 
 def test_neutral_values_of_unsupported_fields_are_accepted(daemon):
     body = {"messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": 1,
-            "response_format": {"type": "text"}, "tool_choice": None}
+            "response_format": {"type": "text"}, "tool_choice": None, "guided_json": None, "length_penalty": 1.0,
+            "logit_bias": {}}
     assert daemon.post_raw("/v1/chat/completions", json.dumps(body).encode())[0] == 200
 
 
