@@ -247,8 +247,8 @@ class Node:
         limit = given[0] if given else "max_tokens"
         # absent: OpenAI's completions default of 16, within the node's cap
         max_tokens = _field(body, limit, int, min(16, self.max_tokens_cap), what="an integer")
-        if max_tokens > self.max_tokens_cap:
-            raise ApiError(400, f"'{limit}' may be at most {self.max_tokens_cap}", param=limit)
+        if not 1 <= max_tokens <= self.max_tokens_cap:
+            raise ApiError(400, f"'{limit}' must be in [1, {self.max_tokens_cap}], got {max_tokens}", param=limit)
         temperature = _field(body, "temperature", (int, float), 0.0, what="a number")
         top_p = _field(body, "top_p", (int, float), 1.0, what="a number")
         top_k = _field(body, "top_k", int, 0, what="an integer")
