@@ -235,7 +235,8 @@ class Node:
             raise ApiError(400, "only n=1 is supported", param="n")
         for name, neutral in UNSUPPORTED.items():
             value = body.get(name)
-            if value is not None if name in CONSTRAINTS else value and value != neutral:
+            is_set = (value is not None) if name in CONSTRAINTS else (bool(value) and value != neutral)
+            if is_set:
                 raise ApiError(400, f"'{name}' is not supported by this node", param=name)
         # Types here; ranges in SamplingParams.validate and build_request (one rule each).
         given = [n for n in ("max_tokens", "max_completion_tokens") if body.get(n) is not None]

@@ -88,8 +88,9 @@ class AttestationStore:
         return blob
 
     def first(self) -> bytes | None:
-        """The earliest stored attestation file (by insertion), or None for an empty
-        store. Raises ``sqlite3.Error`` on I/O failure."""
+        """The blob of the earliest stored row (by insertion; an attestation file in
+        a sound store, though SQLite keeps any type in any column), or None for an
+        empty store. Raises ``sqlite3.Error`` on I/O failure."""
         with self._lock:
             row = self._db.execute("SELECT blob FROM attestations ORDER BY rowid LIMIT 1").fetchone()
         return None if row is None else row[0]
