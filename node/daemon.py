@@ -79,18 +79,18 @@ ONE_LINE_ERRORS = OneLineErrors()
 # OpenAI request fields this node does not implement, with their neutral value
 # (absent, null, false, 0, empty or this value is accepted; anything else is a 400).
 # Sampler extensions other OpenAI-compatible servers take (llama.cpp server, vLLM) are refused alike.
+# Output constraints have NULL_ONLY: an empty schema, regex or list still constrains the output.
+NULL_ONLY = object()
 UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": None, "suffix": None, "best_of": 1,
                "presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "tools": None,
                "functions": None, "function_call": None, "tool_choice": None, "parallel_tool_calls": None,
                "response_format": {"type": "text"}, "repetition_penalty": 1, "repeat_penalty": 1,
                "min_p": None, "typical_p": 1, "tfs_z": 1, "top_a": None, "mirostat": None,
                "dynatemp_range": None, "xtc_probability": None, "dry_multiplier": None, "min_tokens": None,
-               "ignore_eos": None, "grammar": None, "json_schema": None, "guided_json": None,
-               "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
-               "n_probs": None, "mirostat_mode": None, "length_penalty": 1, "use_beam_search": None,
-               "prompt_logprobs": None, "logits_processors": None, "bad_words": None, "allowed_token_ids": None}
-# Output constraints: an empty schema, regex or list still constrains the output, so only null is neutral.
-CONSTRAINTS = {"json_schema", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
+               "ignore_eos": None, "grammar": None, "json_schema": NULL_ONLY, "guided_json": NULL_ONLY,
+               "guided_regex": NULL_ONLY, "guided_choice": NULL_ONLY, "guided_grammar": NULL_ONLY,
+               "structured_outputs": NULL_ONLY, "n_probs": None, "mirostat_mode": None, "length_penalty": 1,
+               "use_beam_search": None, "prompt_logprobs": None, "logits_processors": None, "bad_words": None, "allowed_token_ids": None}
 
 
 CODINGS = ("gzip", "deflate")   # request content codings the node decodes (one, alone)
@@ -235,7 +235,7 @@ class Node:
             raise ApiError(400, "only n=1 is supported", param="n")
         for name, neutral in UNSUPPORTED.items():
             value = body.get(name)
-            is_set = (value is not None) if name in CONSTRAINTS else (bool(value) and value != neutral)
+            is_set = (value is not None) if neutral is NULL_ONLY else (bool(value) and value != neutral)
             if is_set:
                 raise ApiError(400, f"'{name}' is not supported by this node", param=name)
         # Types here; ranges in SamplingParams.validate and build_request (one rule each).

@@ -112,7 +112,7 @@ class Engine:
         try:
             hash(seq)
         except TypeError:                       # as length() does: every rank raises it alike
-            raise RequestError(f"unknown sequence {seq!r} (never allocated, or released)") from None
+            raise _unknown(seq) from None
         self.backend.kv_free(seq)
         self._len.pop(seq, None)
 
@@ -123,7 +123,7 @@ class Engine:
         try:
             return self._len[seq]
         except (KeyError, TypeError):           # TypeError: an unhashable id
-            raise RequestError(f"unknown sequence {seq!r} (never allocated, or released)") from None
+            raise _unknown(seq) from None
 
     # ---- forward -----------------------------------------------------------
     def forward(self, chunks: Sequence[tuple[int, Sequence[int]]], all_logits: bool = False) -> list[np.ndarray]:
@@ -219,6 +219,10 @@ class Engine:
             x = be.linear_residual(x, be.silu_gate(g, u, (down,)), down)
         out = (self.model.output.name,)
         return be.linears(be.rms_norm(x[rows], "output_norm.weight", out), out)[0]
+
+
+def _unknown(seq) -> RequestError:
+    return RequestError(f"unknown sequence {seq!r} (never allocated, or released)")
 
 
 def draw_rows(picks, logits, device_draw=None) -> list[int]:
