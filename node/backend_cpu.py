@@ -1,28 +1,71 @@
 """CPU backend: runs the forward pass with the numpy twins in node/reference.py.
 
 Holds the weights decoded for :func:`node.reference.matmul_q` /
-:func:`node.reference.matmul_f` and an fp32 KV cache per sequence
-(``[n_layer, Hkv, capacity, hd]`` for K and for V).
+:func:`node.reference.matmul_f` (about 4 bytes per weight) up to a memory
+budget, and an fp32 KV cache per sequence (``[n_layer, Hkv, capacity, hd]``
+for K and for V). A matrix beyond the budget is decoded again at every use,
+in row chunks of :data:`CHUNK_BYTES`; each output row's sum reads only its own
+weight row, so the bytes are the same either way and a machine can verify a
+model whose decoded weights exceed its memory.
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from . import reference as ref
-from .gguf_model import FLOAT_TYPES, Model, decode_blocks, dequantize_rows, float_values
+from .errors import BitexactError
+from .gguf_model import FLOAT_TYPES, Model, Tensor, decode_blocks, dequantize_rows, float_values
 
 F32 = np.float32
+CACHE_ENV = "BITEXACT_CPU_WEIGHT_CACHE_MB"
+CHUNK_BYTES = 64 << 20      # decoded bytes per row chunk of a matrix the budget leaves out
+
+
+def weight_cache_bytes() -> int:
+    """Bytes of decoded weights the CPU engine keeps between steps:
+    ``$BITEXACT_CPU_WEIGHT_CACHE_MB`` MiB when set, else half of the machine's
+    physical memory (unlimited where the platform does not report it).
+    Raises :class:`BitexactError` for a value that is not an integer >= 0."""
+    v = os.environ.get(CACHE_ENV)
+    if v is not None:
+        if not v.strip().isdigit():
+            raise BitexactError(f"{CACHE_ENV} must be a whole number of MiB (0 or more), got {v!r}")
+        return int(v) << 20
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (AttributeError, ValueError, OSError):
+        return 1 << 62
+
+
+def decoded_bytes(t: Tensor) -> int:
+    """Bytes of matrix ``t`` decoded for the reference products: fp32 values or
+    codes (4 per weight), plus a quantized type's fp32 scale and offset per block."""
+    return 4 * t.rows * t.cols + (0 if t.qtype in FLOAT_TYPES else 8 * t.rows * (t.cols // ref.QK))
+
+
+def decode_rows(t: Tensor, a: int, b: int):
+    """Rows ``[a, b)`` of matrix ``t`` as the reference products take them:
+    fp32 ``[b - a, K]`` (float types) or a :class:`node.reference.RefQuantWeight`."""
+    if t.qtype in FLOAT_TYPES:
+        return float_values(Tensor(t.name, t.qtype, b - a, t.cols, t.raw[a:b]))
+    return ref.RefQuantWeight(*decode_blocks(t.qtype, t.raw[a:b]))
 
 
 class CpuBackend:
     name = "cpu"
     xp = np
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, weight_cache: int | None = None):
+        """``weight_cache``: bytes of decoded weights to keep (default
+        :func:`weight_cache_bytes`); matrices are kept in the order of first use
+        while they fit."""
         self.model = model
         self.hp = model.hparams
         self._weights: dict[str, object] = {}
+        self._cache_left = weight_cache_bytes() if weight_cache is None else weight_cache
         self._kv: dict[int, list[np.ndarray]] = {}
         self.kv_heads = self._kv_heads()
 
@@ -31,16 +74,30 @@ class CpuBackend:
         return self.hp.n_head_kv
 
     # ---- weights -----------------------------------------------------------
-    def _weight(self, name: str):
+    def _cached(self, name: str):
+        """Matrix ``name`` decoded, from the cache or decoded now and kept if the
+        budget allows; ``None`` when it does not fit."""
         w = self._weights.get(name)
         if w is None:
             t = self.model.tensors[name]
-            if t.qtype in FLOAT_TYPES:
-                w = float_values(t)
-            else:
-                w = ref.RefQuantWeight(*decode_blocks(t.qtype, t.raw))
-            self._weights[name] = w
+            if decoded_bytes(t) > self._cache_left:
+                return None
+            w = self._weights[name] = decode_rows(t, 0, t.rows)
+            self._cache_left -= decoded_bytes(t)
         return w
+
+    def _weight(self, name: str):
+        """Matrix ``name`` decoded whole (kept if the budget allows)."""
+        w = self._cached(name)
+        if w is None:
+            t = self.model.tensors[name]
+            w = decode_rows(t, 0, t.rows)
+        return w
+
+    def _forget(self, name: str) -> None:
+        """Drop matrix ``name`` from the cache, returning its bytes to the budget."""
+        if self._weights.pop(name, None) is not None:
+            self._cache_left += decoded_bytes(self.model.tensors[name])
 
     def vector(self, name: str) -> np.ndarray:
         """fp32 ``[K]`` values of a 1-D float tensor (norm weights, RoPE factors), decoded once."""
@@ -65,12 +122,24 @@ class CpuBackend:
         """
         xq, out = None, []
         for name in names:
-            w = self._weight(name)
-            if isinstance(w, np.ndarray):
-                out.append(ref.matmul_f(x, w))
+            if self.model.tensors[name].qtype in FLOAT_TYPES:
+                out.append(self._product(ref.matmul_f, x, len(x), name))
             else:
                 xq = ref.quantize_q8(x) if xq is None else xq
-                out.append(ref.matmul_q(xq, w))
+                out.append(self._product(ref.matmul_q, xq, len(x), name))
+        return out
+
+    def _product(self, matmul, x, m: int, name: str) -> np.ndarray:
+        """``matmul(x, W)`` fp32 ``[m, N]`` for matrix ``name``: the cached weight,
+        or, beyond the budget, rows decoded chunk by chunk (the same bytes)."""
+        w = self._cached(name)
+        if w is not None:
+            return matmul(x, w)
+        t = self.model.tensors[name]
+        step = max(1, CHUNK_BYTES // (decoded_bytes(t) // t.rows))
+        out = np.empty((m, t.rows), F32)
+        for a in range(0, t.rows, step):
+            out[:, a:a + step] = matmul(x, decode_rows(t, a, min(t.rows, a + step)))
         return out
 
     def silu_gate(self, g, u, feeds=()):

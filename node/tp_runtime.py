@@ -142,7 +142,7 @@ class RankBackend(TpCpuBackend):
         w = self._own.get(name)
         if w is None:
             w = self._own[name] = super()._shard(name, r).copy()   # ndarray or RefQuantWeight
-            self._weights.pop(name, None)
+            self._forget(name)
         return w
 
     def linears(self, x, names):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from planted import Wrapped, misuse_cases
 from node.engine import Engine
+from node.errors import BitexactError
 from node.gguf_model import load_model
 from node.synth import write_model
 
@@ -131,6 +132,43 @@ def test_every_quant_type_batch_invariant(tmp_path, qtype):
         out = eng.forward([(other, [a % 300, 1]), (target, toks[a:a + 7])], all_logits=True)
         got.append(out[1])
     assert np.concatenate(got).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "BF16", "Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_weights_beyond_the_cpu_cache_budget_give_the_same_bytes(tmp_path, monkeypatch, qtype):
+    """A matrix the CPU engine's weight budget leaves out is decoded again at
+    every use, in row chunks: the logits bytes are those of the cached engine,
+    with no budget, a budget that holds some matrices, and chunks of a few rows."""
+    import node.backend_cpu as bc
+    shape = (256, 2, 4, 2, 512, 300)
+    model = load_model(write_model(str(tmp_path / f"{qtype}.gguf"), shape, qtype, seed=5, tied=qtype == "Q8_0"))
+    toks = list(range(7, 30))
+    want = solo_logits(model, toks)
+    monkeypatch.setattr(bc, "CHUNK_BYTES", 3 * 256 * 4 + 1)    # 3 rows of K = 256 per chunk: uneven last chunk
+    some = sum(bc.decoded_bytes(model.tensors[n]) for n in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"))
+    for budget in (0, some):
+        be = bc.CpuBackend(model, weight_cache=budget)
+        eng = Engine(model, backend=be)
+        got = eng.forward([(eng.new_sequence(), toks)], all_logits=True)[0]
+        assert got.tobytes() == want.tobytes()
+        kept = sum(bc.decoded_bytes(model.tensors[n]) for n in be._weights if model.tensors[n].rows > 1)
+        assert kept <= budget and be._cache_left == budget - kept
+        assert (kept > 0) == (budget > 0)
+
+
+@pytest.mark.parametrize("value, want", [("0", 0), ("12", 12 << 20), (" 7 ", 7 << 20)])
+def test_the_cpu_weight_budget_is_read_from_the_environment(monkeypatch, value, want):
+    import node.backend_cpu as bc
+    monkeypatch.setenv(bc.CACHE_ENV, value)
+    assert bc.weight_cache_bytes() == want
+
+
+@pytest.mark.parametrize("value", ["", "-1", "1.5", "lots", "1e3"])
+def test_a_bad_cpu_weight_budget_is_one_error(tiny, monkeypatch, value):
+    import node.backend_cpu as bc
+    monkeypatch.setenv(bc.CACHE_ENV, value)
+    with pytest.raises(BitexactError, match=bc.CACHE_ENV):
+        Engine(tiny)
 
 
 def test_engine_misuse_is_a_request_error_and_changes_nothing(tiny):
