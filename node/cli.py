@@ -41,10 +41,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _passphrase(args) -> bytes | None:
+    """The passphrase from ``--passphrase-file`` when given (an empty path too: it names
+    no file, and must not fall back to the environment or to no passphrase, which would
+    write a key in the clear), else from ``BITEXACT_KEY_PASSPHRASE``."""
     from attest.keys import env_passphrase, read_passphrase
-    if getattr(args, "passphrase_file", None):
-        return read_passphrase(args.passphrase_file)
-    return env_passphrase()
+    path = getattr(args, "passphrase_file", None)
+    return env_passphrase() if path is None else read_passphrase(path)
 
 
 def _check_replaceable(path: str, args) -> None:

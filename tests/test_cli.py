@@ -110,6 +110,7 @@ def test_keygen_twice_keeps_the_first_key(tmp_path):
     ("pass_missing", ["--out", "KEY.pem", "--passphrase-file", "nope.txt"]),
     ("pass_empty", ["--out", "KEY.pem", "--passphrase-file", "empty.txt"]),
     ("pass_long", ["--out", "KEY.pem", "--passphrase-file", "long.txt"]),
+    (None, ["--out", "KEY.pem", "--passphrase-file", ""]),   # names no file: not a key in the clear
 ])
 def test_keygen_errors_write_nothing(tmp_path, setup, args):
     if setup == "pass_empty":
@@ -176,6 +177,7 @@ def test_run_with_the_right_passphrase_gets_past_the_key(enc_key, cwd, via):
     ("env_wrong", "wrong passphrase"),
     ("missing", "is encrypted: give its passphrase"),
     ("empty_pass", "is empty"),
+    ("empty_pass_path", "cannot read passphrase file"),   # not the environment's passphrase instead
     ("garbage", "is not a PEM private key"),
     ("absent", "cannot read key"),
     ("public", "is not a PEM private key"),
@@ -189,6 +191,8 @@ def test_run_with_a_bad_key_fails_and_writes_nothing(enc_key, art, tmp_path, cwd
         env = {"BITEXACT_KEY_PASSPHRASE": "wrong horse"}
     elif case == "empty_pass":
         extra = ["--passphrase-file", write(tmp_path / "empty.txt", b"")]
+    elif case == "empty_pass_path":
+        extra, env = ["--passphrase-file", ""], {"BITEXACT_KEY_PASSPHRASE": "correct horse"}
     elif case == "garbage":
         key = write(tmp_path / "garbage.pem", b"-----BEGIN PRIVATE KEY-----\nAAAA\n")
     elif case == "absent":
