@@ -57,7 +57,7 @@ def _check_replaceable(path: str, args) -> None:
 
     from .gguf_model import ModelError, default_model_path
     try:
-        model = args.model or default_model_path()
+        model = default_model_path() if args.model is None else args.model
     except ModelError:
         model = None
     try:
@@ -246,7 +246,7 @@ def cmd_verify(args) -> int:
     from attest.keys import load_public
     from verify.verifier import verify_file
 
-    trusted = load_public(args.trusted_key) if args.trusted_key else None
+    trusted = None if args.trusted_key is None else load_public(args.trusted_key)   # '' names no file: refused
     rep = verify_file(args.file, args.model, trusted, device=resolve_device(args.device))
     if args.json:
         print(json.dumps({"result": "OK" if rep.ok else "FAIL", "message": rep.message,

@@ -503,11 +503,15 @@ def test_verify_with_another_trusted_key(art, tmp_path):
     assert p.stdout == ""
 
 
-@pytest.mark.parametrize("which", ["missing", "private", "garbage"])
+@pytest.mark.parametrize("which", ["missing", "private", "garbage", "empty path"])
 def test_verify_with_a_bad_trusted_key_file(art, tmp_path, which):
+    """Refused before anything is checked: an empty path (an unset shell variable)
+    names no key, and must not verify with no trusted key at all."""
     path = {"missing": str(tmp_path / "nope.pub.pem"), "private": art.key,
-            "garbage": write(tmp_path / "g.pub.pem", b"garbage")}[which]
-    assert_input_error(bx(tmp_path, "verify", art.bxa, "--trusted-key", path))
+            "garbage": write(tmp_path / "g.pub.pem", b"garbage"), "empty path": ""}[which]
+    p = bx(tmp_path, "verify", art.bxa, "--trusted-key", path)
+    assert "public key" in assert_input_error(p)
+    assert p.stdout == ""
 
 
 # --------------------------------------------------------------------------
@@ -593,10 +597,14 @@ def test_verify_with_a_model_of_another_digest(art, tmp_path):
     assert p.stdout == ""
 
 
-@pytest.mark.parametrize("which", ["missing", "not_gguf"])
+@pytest.mark.parametrize("which", ["missing", "not_gguf", "empty path"])
 def test_verify_with_a_missing_or_bad_model(art, tmp_path, which):
-    path = str(tmp_path / "nope.gguf") if which == "missing" else write(tmp_path / "bad.gguf", b"GGUX" * 64)
-    assert_input_error(bx(tmp_path, "verify", art.bxa, "--model", path))
+    """An empty --model names no file (as for run), not the default model."""
+    path = {"missing": str(tmp_path / "nope.gguf"), "not_gguf": write(tmp_path / "bad.gguf", b"GGUX" * 64),
+            "empty path": ""}[which]
+    p = bx(tmp_path, "verify", art.bxa, "--model", path)
+    assert_input_error(p)
+    assert p.stdout == ""
 
 
 @pytest.mark.parametrize("path,value,why", [
