@@ -15,8 +15,8 @@ class AttestationStore:
     """Signed attestation files keyed by their id (hex SHA-256 of the file bytes).
 
     Thread-safe; ``path`` is created with its folder. Raises ``sqlite3.Error``
-    on I/O failure; a store that cannot be created (a full disk) leaves no file
-    behind, nor the folders it made.
+    on I/O failure, also for a store it could only read; a store that cannot be
+    created (a full disk) leaves no file behind, nor the folders it made.
     """
 
     def __init__(self, folder: str):
@@ -35,6 +35,14 @@ class AttestationStore:
             db.execute("PRAGMA synchronous=FULL")
             db.execute("CREATE TABLE IF NOT EXISTS attestations (id TEXT PRIMARY KEY, "
                        "created TEXT NOT NULL, output_digest TEXT NOT NULL, blob BLOB NOT NULL)")
+            # SQLite opens a file it may not write (another owner's, a read-only mount)
+            # read-only without a word: a write that changes nothing fails here, not at
+            # the first put, after that request's work is done
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("DELETE FROM attestations WHERE 0")
+            finally:
+                db.execute("ROLLBACK")
             cols = [r[1] for r in db.execute("PRAGMA table_info(attestations)")]
         except sqlite3.Error:
             if db is not None:

@@ -52,6 +52,21 @@ def test_store_refuses_a_table_of_another_shape(tmp_path):
         AttestationStore(str(tmp_path))
 
 
+def test_a_store_that_can_only_be_read_is_refused_when_opened(tmp_path, monkeypatch):
+    """SQLite opens a database file it may not write read-only, silently (a file of
+    another owner, a read-only mount; simulated with mode=ro, since root writes any
+    file): the store refuses it when opened, not at the first put, after a request's work."""
+    AttestationStore(str(tmp_path)).close()
+    real = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda path, **k: real(f"file:{path}?mode=ro", uri=True, **k))
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        AttestationStore(str(tmp_path))
+    monkeypatch.undo()
+    store = AttestationStore(str(tmp_path))   # the store itself is left as it was
+    assert store.count() == 0
+    store.close()
+
+
 def plant(folder, att_id: str, blob) -> None:
     """Write a row straight into the store's database, as a damaged or foreign writer could."""
     db = sqlite3.connect(os.path.join(folder, "attestations.sqlite3"), isolation_level=None)
