@@ -95,13 +95,19 @@ class AttestationStore:
             raise sqlite3.DatabaseError(f"the row of attestation {att_id} holds a blob whose SHA-256 is not its id")
         return blob
 
-    def first(self) -> bytes | None:
-        """The blob of the earliest stored row (by insertion; an attestation file in
-        a sound store, though SQLite keeps any type in any column), or None for an
-        empty store. Raises ``sqlite3.Error`` on I/O failure."""
-        with self._lock:
-            row = self._db.execute("SELECT blob FROM attestations ORDER BY rowid LIMIT 1").fetchone()
-        return None if row is None else row[0]
+    def blobs(self):
+        """The blobs of the stored rows, earliest first (by insertion; attestation files
+        in a sound store, though SQLite keeps any type in any column), read one row at
+        a time. Raises ``sqlite3.Error`` on I/O failure."""
+        last = None
+        while True:
+            with self._lock:
+                row = self._db.execute("SELECT rowid, blob FROM attestations WHERE ? IS NULL OR rowid > ? "
+                                       "ORDER BY rowid LIMIT 1", (last, last)).fetchone()
+            if row is None:
+                return
+            last = row[0]
+            yield row[1]
 
     def count(self) -> int:
         with self._lock:

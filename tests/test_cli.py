@@ -933,6 +933,23 @@ def test_serve_rejects_bad_options_and_foreign_stores(art, tmp_path, args, needl
     assert needle in assert_input_error(p)
 
 
+def test_serve_refuses_a_foreign_store_behind_damaged_rows(art, tmp_path):
+    """Damaged earliest rows (a blob that is no attestation, a row holding an integer)
+    do not hide that the attestations after them are another key's: refused at start."""
+    from node.store import AttestationStore
+    from test_store_and_models import plant
+    store = AttestationStore(str(tmp_path / "data"))
+    junk = b"\x92\x01\x02"
+    store.put(hashlib.sha256(junk).hexdigest(), "t", "d", junk)
+    store.close()
+    plant(tmp_path / "data", "ab" * 32, 12345)
+    plant(tmp_path / "data", hashlib.sha256(art.data).hexdigest(), art.data)
+    assert bx(tmp_path, "keygen", "--out", "other.pem").returncode == 0
+    p = bx(tmp_path, "serve", "--key", "other.pem", "--device", "cpu", "--port", "0", "--data-dir", tmp_path / "data",
+           timeout=120)
+    assert f"signed by key id {art.payload['signer']['key_id']}" in assert_input_error(p)
+
+
 @pytest.mark.parametrize("where", ["busy port", "bad host", "host name past IDNA's limits"])
 def test_serve_that_cannot_listen_fails_cleanly_without_a_banner_or_a_store(art, tmp_path, where):
     import socket
