@@ -203,8 +203,9 @@ def cmd_run(args) -> int:
 
     if args.attestation == "":
         raise RequestError("--attestation must not be empty")
-    folder = os.path.dirname(os.path.abspath(args.attestation)) if args.attestation else os.getcwd()
-    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):   # before generating, not after
+    # the folder atomic_write writes in (as the system resolves it), checked before generating, not after
+    folder = os.path.dirname(args.attestation or "") or os.getcwd()
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
         raise RequestError(f"cannot write the attestation: {folder} is not a writable folder")
     if args.attestation:
         _check_replaceable(args.attestation, args)

@@ -691,3 +691,27 @@ def test_keygen_that_fails_after_a_link_leaves_neither_file(tmp_path, monkeypatc
     with pytest.raises((KeyError_, KeyboardInterrupt)):
         keys.generate(str(tmp_path / "KEY.pem"))
     assert os.listdir(tmp_path) == []
+
+
+def test_atomic_write_writes_in_the_folder_the_system_resolves(tmp_path, monkeypatch):
+    """``link/../x.bxa`` names x.bxa beside the link's target (the system resolves the
+    link before ``..``): the temp file is made there, not in a folder found by folding
+    the path as text, so the rename stays on one file system and the folder fsynced
+    is the one that holds the file."""
+    import tempfile
+
+    from attest.atomic import atomic_write
+    (tmp_path / "real" / "inner").mkdir(parents=True)
+    (tmp_path / "cwd").mkdir()
+    os.symlink(tmp_path / "real" / "inner", tmp_path / "cwd" / "lnk")
+    monkeypatch.chdir(tmp_path / "cwd")
+    made, mkstemp = [], tempfile.mkstemp
+
+    def spy(**k):
+        fd, tmp = mkstemp(**k)
+        made.append(tmp)
+        return fd, tmp
+    monkeypatch.setattr(tempfile, "mkstemp", spy)
+    atomic_write(os.path.join("lnk", "..", "x.bxa"), b"data")
+    assert len(made) == 1 and os.path.dirname(made[0]) == os.path.realpath(tmp_path / "real")
+    assert (tmp_path / "real" / "x.bxa").read_bytes() == b"data" and os.listdir(tmp_path / "cwd") == ["lnk"]

@@ -266,6 +266,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--model", ""], "not found"),
     (["--prompt", "hi", "--attestation", ""], "--attestation"),
     (["--prompt", "hi", "--attestation", "/no/such/folder/a.bxa"], "not a writable folder"),
+    (["--prompt", "hi", "--attestation", "nodir/"], "not a writable folder"),          # a folder's name
+    (["--prompt", "hi", "--attestation", "nodir/../a.bxa"], "not a writable folder"),  # the system resolves nodir
     ([], "--prompt"),
 ])
 def test_run_rejects_bad_requests(art, tmp_path, cwd, args, needle):
