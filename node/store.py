@@ -20,7 +20,9 @@ class AttestationStore:
     """
 
     def __init__(self, folder: str):
-        made, up = [], os.path.abspath(folder)   # the folders makedirs will create, deepest first
+        # the folders makedirs will create, deepest first; realpath, as the system resolves
+        # the name ("link/../data" is beside the link's target)
+        made, up = [], os.path.realpath(folder)
         while not os.path.exists(up) and os.path.dirname(up) != up:
             made.append(up)
             up = os.path.dirname(up)

@@ -182,10 +182,12 @@ def test_a_tensor_with_an_empty_dimension_or_none_is_a_model_error(tmp_path, sha
         load_model(path)
 
 
-@pytest.mark.parametrize("existing", [False, True])
+@pytest.mark.parametrize("existing", [False, True, "through a link"])
 def test_a_store_that_cannot_be_created_leaves_nothing(tmp_path, monkeypatch, existing):
     """A full disk while the store is created (its table cannot be written): the error
-    propagates and neither the database file nor a folder the store made is left."""
+    propagates and neither the database file nor a folder the store made is left, also
+    when the folder is named through a symbolic link and ``..`` (``link/../data`` is
+    beside the link's target)."""
     real = sqlite3.connect
 
     class FullDisk:
@@ -201,12 +203,18 @@ def test_a_store_that_cannot_be_created_leaves_nothing(tmp_path, monkeypatch, ex
             self.db.close()
 
     folder = tmp_path / "a" / "b" / "data"   # makedirs makes three folders when none exists
-    if existing:
+    if existing == "through a link":
+        (tmp_path / "real" / "inner").mkdir(parents=True)
+        os.symlink(tmp_path / "real" / "inner", tmp_path / "link")
+        folder = tmp_path / "link" / ".." / "a" / "data"
+    elif existing:
         folder.mkdir(parents=True)
     monkeypatch.setattr(sqlite3, "connect", FullDisk)
     with pytest.raises(sqlite3.OperationalError, match="disk is full"):
         AttestationStore(str(folder))
-    if existing:
+    if existing == "through a link":
+        assert sorted(os.listdir(tmp_path)) == ["link", "real"] and os.listdir(tmp_path / "real") == ["inner"]
+    elif existing:
         assert folder.is_dir() and not any(folder.iterdir())
     else:
         assert list(tmp_path.iterdir()) == []
