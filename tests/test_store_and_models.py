@@ -182,6 +182,19 @@ def test_a_tensor_with_an_empty_dimension_or_none_is_a_model_error(tmp_path, sha
         load_model(path)
 
 
+def test_a_model_named_through_a_link_and_dotdot_keeps_the_file_it_read(tmp_path, monkeypatch):
+    """``link/../m.gguf`` is the m.gguf beside the link's target: Model.path (which the
+    tokenizer and the rank processes open again) names that file, not the m.gguf a
+    textual folding of the name would give (absent here, or another model)."""
+    (tmp_path / "real" / "inner").mkdir(parents=True)
+    (tmp_path / "cwd").mkdir()
+    os.symlink(tmp_path / "real" / "inner", tmp_path / "cwd" / "link")
+    real = write_model(str(tmp_path / "real" / "m.gguf"), shape=(64, 2, 4, 2, 96, 256), qtype="Q8_0")
+    monkeypatch.chdir(tmp_path / "cwd")
+    model = load_model(os.path.join("link", "..", "m.gguf"))
+    assert os.path.isabs(model.path) and os.path.exists(model.path) and os.path.samefile(model.path, real)
+
+
 @pytest.mark.parametrize("existing", [False, True, "through a link"])
 def test_a_store_that_cannot_be_created_leaves_nothing(tmp_path, monkeypatch, existing):
     """A full disk while the store is created (its table cannot be written): the error
