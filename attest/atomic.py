@@ -9,13 +9,19 @@ import tempfile
 def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = True) -> None:
     """Write ``data`` to ``path`` so readers see either nothing or all of it.
 
-    The bytes go to a temp file beside ``path`` created with ``mode``, are
+    The bytes go to a temp file beside ``path`` (in the folder the system
+    resolves ``path``'s own folder part to) created with ``mode``, are
     fsynced, then renamed over ``path`` (``overwrite=True``) or hard-linked to
     it, which fails with FileExistsError if ``path`` exists (``overwrite=False``).
-    The folder is fsynced afterwards. Raises OSError on I/O failure.
+    The folder is fsynced afterwards. Raises OSError on I/O failure. With
+    ``overwrite=False`` a failure or an interrupt after the link (the folder's
+    fsync) removes ``path`` again, so the call leaves the whole file or nothing;
+    a rename cannot be undone, so with ``overwrite=True`` the new file stays.
     """
-    folder = os.path.dirname(os.path.abspath(path))
+    # as the system resolves it: abspath (and tempfile with it) folds "link/.." as text
+    folder = os.path.realpath(os.path.dirname(path) or os.curdir)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    linked = False
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
@@ -26,12 +32,17 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = Tr
             os.replace(tmp, path)
         else:
             os.link(tmp, path)
+            linked = True
             os.unlink(tmp)
         dfd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+    except BaseException:
+        if linked:   # this call made the name: a failed write leaves nothing
+            os.unlink(path)
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -41,10 +41,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _passphrase(args) -> bytes | None:
+    """The passphrase from ``--passphrase-file`` when given (an empty path too: it names
+    no file, and must not fall back to the environment or to no passphrase, which would
+    write a key in the clear), else from ``BITEXACT_KEY_PASSPHRASE``."""
     from attest.keys import env_passphrase, read_passphrase
-    if getattr(args, "passphrase_file", None):
-        return read_passphrase(args.passphrase_file)
-    return env_passphrase()
+    path = getattr(args, "passphrase_file", None)
+    return env_passphrase() if path is None else read_passphrase(path)
 
 
 def _check_replaceable(path: str, args) -> None:
@@ -55,7 +57,7 @@ def _check_replaceable(path: str, args) -> None:
 
     from .gguf_model import ModelError, default_model_path
     try:
-        model = args.model or default_model_path()
+        model = default_model_path() if args.model is None else args.model
     except ModelError:
         model = None
     try:
@@ -201,8 +203,9 @@ def cmd_run(args) -> int:
 
     if args.attestation == "":
         raise RequestError("--attestation must not be empty")
-    folder = os.path.dirname(os.path.abspath(args.attestation)) if args.attestation else os.getcwd()
-    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):   # before generating, not after
+    # the folder atomic_write writes in (as the system resolves it), checked before generating, not after
+    folder = os.path.dirname(args.attestation or "") or os.getcwd()
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
         raise RequestError(f"cannot write the attestation: {folder} is not a writable folder")
     if args.attestation:
         _check_replaceable(args.attestation, args)
@@ -244,7 +247,7 @@ def cmd_verify(args) -> int:
     from attest.keys import load_public
     from verify.verifier import verify_file
 
-    trusted = load_public(args.trusted_key) if args.trusted_key else None
+    trusted = None if args.trusted_key is None else load_public(args.trusted_key)   # '' names no file: refused
     rep = verify_file(args.file, args.model, trusted, device=resolve_device(args.device))
     if args.json:
         print(json.dumps({"result": "OK" if rep.ok else "FAIL", "message": rep.message,

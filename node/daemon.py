@@ -188,16 +188,17 @@ class Node:
         self.store_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bitexact-store")
 
     def _check_store_key(self, data_dir: str) -> None:
-        """Refuse a store whose attestations another key signed (its earliest row
-        decides): this node would answer every one of them with a 500, since it
-        serves only what it signed. Raises :class:`KeyError_`; a damaged earliest
-        row is left to the request that fetches it (a logged 500)."""
-        blob = self.store.first()
-        try:
-            signer = open_envelope(blob)["signer"]["public_key"] if isinstance(blob, bytes) else None
-        except (AttestationError, KeyError, TypeError):
-            return
-        if signer is not None and signer != self.public_raw:
+        """Refuse a store whose attestations another key signed (its earliest row that
+        opens as an attestation decides): this node would answer every one of them with
+        a 500, since it serves only what it signed. Raises :class:`KeyError_`; damaged
+        rows before it are left to the requests that fetch them (a logged 500)."""
+        for blob in self.store.blobs():
+            try:
+                signer = open_envelope(blob)["signer"]["public_key"]
+            except (AttestationError, KeyError, TypeError):   # damaged (TypeError: a row that is not bytes)
+                continue
+            if signer == self.public_raw:
+                return
             self.store.close()
             raise KeyError_(f"the attestation store in {data_dir} holds attestations signed by key id "
                             f"{keys.key_id(signer)}, not by this key ({self.key_id}): serve a new key from "

@@ -221,7 +221,10 @@ def load_model(path: str) -> Model:
                                                 "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                                                 "tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id",
                                                 "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token")}
-    return Model(path=os.path.abspath(path), sha256=file_sha256(path), arch=arch, hparams=hp,
+    # the file's folder as the system resolves it (abspath would fold "link/.." as text): the
+    # tokenizer and the tensor-parallel ranks open ``path`` again, so it must name the same file
+    where = os.path.join(os.path.realpath(os.path.dirname(path) or os.curdir), os.path.basename(path))
+    return Model(path=where, sha256=file_sha256(path), arch=arch, hparams=hp,
                  tensors=tensors, metadata=metadata, tied_output=tied)
 
 

@@ -15,12 +15,14 @@ class AttestationStore:
     """Signed attestation files keyed by their id (hex SHA-256 of the file bytes).
 
     Thread-safe; ``path`` is created with its folder. Raises ``sqlite3.Error``
-    on I/O failure; a store that cannot be created (a full disk) leaves no file
-    behind, nor the folders it made.
+    on I/O failure, also for a store it could only read; a store that cannot be
+    created (a full disk) leaves no file behind, nor the folders it made.
     """
 
     def __init__(self, folder: str):
-        made, up = [], os.path.abspath(folder)   # the folders makedirs will create, deepest first
+        # the folders makedirs will create, deepest first; realpath, as the system resolves
+        # the name ("link/../data" is beside the link's target)
+        made, up = [], os.path.realpath(folder)
         while not os.path.exists(up) and os.path.dirname(up) != up:
             made.append(up)
             up = os.path.dirname(up)
@@ -35,6 +37,14 @@ class AttestationStore:
             db.execute("PRAGMA synchronous=FULL")
             db.execute("CREATE TABLE IF NOT EXISTS attestations (id TEXT PRIMARY KEY, "
                        "created TEXT NOT NULL, output_digest TEXT NOT NULL, blob BLOB NOT NULL)")
+            # SQLite opens a file it may not write (another owner's, a read-only mount)
+            # read-only without a word: a write that changes nothing fails here, not at
+            # the first put, after that request's work is done
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("DELETE FROM attestations WHERE 0")
+            finally:
+                db.execute("ROLLBACK")
             cols = [r[1] for r in db.execute("PRAGMA table_info(attestations)")]
         except sqlite3.Error:
             if db is not None:
@@ -87,13 +97,19 @@ class AttestationStore:
             raise sqlite3.DatabaseError(f"the row of attestation {att_id} holds a blob whose SHA-256 is not its id")
         return blob
 
-    def first(self) -> bytes | None:
-        """The blob of the earliest stored row (by insertion; an attestation file in
-        a sound store, though SQLite keeps any type in any column), or None for an
-        empty store. Raises ``sqlite3.Error`` on I/O failure."""
-        with self._lock:
-            row = self._db.execute("SELECT blob FROM attestations ORDER BY rowid LIMIT 1").fetchone()
-        return None if row is None else row[0]
+    def blobs(self):
+        """The blobs of the stored rows, earliest first (by insertion; attestation files
+        in a sound store, though SQLite keeps any type in any column), read one row at
+        a time. Raises ``sqlite3.Error`` on I/O failure."""
+        last = None
+        while True:
+            with self._lock:
+                row = self._db.execute("SELECT rowid, blob FROM attestations WHERE ? IS NULL OR rowid > ? "
+                                       "ORDER BY rowid LIMIT 1", (last, last)).fetchone()
+            if row is None:
+                return
+            last = row[0]
+            yield row[1]
 
     def count(self) -> int:
         with self._lock:

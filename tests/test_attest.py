@@ -667,3 +667,51 @@ def test_canonical_round_trip_and_order_independence(v):
 def test_schema_matches_envelope_versions():
     assert schema.FORMAT_VERSION == envelope.FORMAT_VERSION == 1
     assert schema.CONTRACT_VERSIONS == (1,)
+
+
+# --------------------------------------------------------------------------
+# Key files: a key pair is written whole or not at all
+
+@pytest.mark.parametrize("fail_at", [1, 2])   # the folder fsync after the private key, after the public key
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), KeyboardInterrupt()])
+def test_keygen_that_fails_after_a_link_leaves_neither_file(tmp_path, monkeypatch, fail_at, error):
+    """A failure or Ctrl-C once a key file is linked into place (the folder's
+    fsync) removes it again: no lone private key that later keygens refuse to
+    replace, no public key without its private key."""
+    import stat as stat_
+    real, dirs = os.fsync, [0]
+
+    def fsync(fd):
+        if stat_.S_ISDIR(os.fstat(fd).st_mode):
+            dirs[0] += 1
+            if dirs[0] == fail_at:
+                raise error
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises((KeyError_, KeyboardInterrupt)):
+        keys.generate(str(tmp_path / "KEY.pem"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_atomic_write_writes_in_the_folder_the_system_resolves(tmp_path, monkeypatch):
+    """``link/../x.bxa`` names x.bxa beside the link's target (the system resolves the
+    link before ``..``): the temp file is made there, not in a folder found by folding
+    the path as text, so the rename stays on one file system and the folder fsynced
+    is the one that holds the file."""
+    import tempfile
+
+    from attest.atomic import atomic_write
+    (tmp_path / "real" / "inner").mkdir(parents=True)
+    (tmp_path / "cwd").mkdir()
+    os.symlink(tmp_path / "real" / "inner", tmp_path / "cwd" / "lnk")
+    monkeypatch.chdir(tmp_path / "cwd")
+    made, mkstemp = [], tempfile.mkstemp
+
+    def spy(**k):
+        fd, tmp = mkstemp(**k)
+        made.append(tmp)
+        return fd, tmp
+    monkeypatch.setattr(tempfile, "mkstemp", spy)
+    atomic_write(os.path.join("lnk", "..", "x.bxa"), b"data")
+    assert len(made) == 1 and os.path.dirname(made[0]) == os.path.realpath(tmp_path / "real")
+    assert (tmp_path / "real" / "x.bxa").read_bytes() == b"data" and os.listdir(tmp_path / "cwd") == ["lnk"]

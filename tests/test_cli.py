@@ -110,6 +110,7 @@ def test_keygen_twice_keeps_the_first_key(tmp_path):
     ("pass_missing", ["--out", "KEY.pem", "--passphrase-file", "nope.txt"]),
     ("pass_empty", ["--out", "KEY.pem", "--passphrase-file", "empty.txt"]),
     ("pass_long", ["--out", "KEY.pem", "--passphrase-file", "long.txt"]),
+    (None, ["--out", "KEY.pem", "--passphrase-file", ""]),   # names no file: not a key in the clear
 ])
 def test_keygen_errors_write_nothing(tmp_path, setup, args):
     if setup == "pass_empty":
@@ -176,6 +177,7 @@ def test_run_with_the_right_passphrase_gets_past_the_key(enc_key, cwd, via):
     ("env_wrong", "wrong passphrase"),
     ("missing", "is encrypted: give its passphrase"),
     ("empty_pass", "is empty"),
+    ("empty_pass_path", "cannot read passphrase file"),   # not the environment's passphrase instead
     ("garbage", "is not a PEM private key"),
     ("absent", "cannot read key"),
     ("public", "is not a PEM private key"),
@@ -189,6 +191,8 @@ def test_run_with_a_bad_key_fails_and_writes_nothing(enc_key, art, tmp_path, cwd
         env = {"BITEXACT_KEY_PASSPHRASE": "wrong horse"}
     elif case == "empty_pass":
         extra = ["--passphrase-file", write(tmp_path / "empty.txt", b"")]
+    elif case == "empty_pass_path":
+        extra, env = ["--passphrase-file", ""], {"BITEXACT_KEY_PASSPHRASE": "correct horse"}
     elif case == "garbage":
         key = write(tmp_path / "garbage.pem", b"-----BEGIN PRIVATE KEY-----\nAAAA\n")
     elif case == "absent":
@@ -262,6 +266,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--model", ""], "not found"),
     (["--prompt", "hi", "--attestation", ""], "--attestation"),
     (["--prompt", "hi", "--attestation", "/no/such/folder/a.bxa"], "not a writable folder"),
+    (["--prompt", "hi", "--attestation", "nodir/"], "not a writable folder"),          # a folder's name
+    (["--prompt", "hi", "--attestation", "nodir/../a.bxa"], "not a writable folder"),  # the system resolves nodir
     ([], "--prompt"),
 ])
 def test_run_rejects_bad_requests(art, tmp_path, cwd, args, needle):
@@ -499,11 +505,15 @@ def test_verify_with_another_trusted_key(art, tmp_path):
     assert p.stdout == ""
 
 
-@pytest.mark.parametrize("which", ["missing", "private", "garbage"])
+@pytest.mark.parametrize("which", ["missing", "private", "garbage", "empty path"])
 def test_verify_with_a_bad_trusted_key_file(art, tmp_path, which):
+    """Refused before anything is checked: an empty path (an unset shell variable)
+    names no key, and must not verify with no trusted key at all."""
     path = {"missing": str(tmp_path / "nope.pub.pem"), "private": art.key,
-            "garbage": write(tmp_path / "g.pub.pem", b"garbage")}[which]
-    assert_input_error(bx(tmp_path, "verify", art.bxa, "--trusted-key", path))
+            "garbage": write(tmp_path / "g.pub.pem", b"garbage"), "empty path": ""}[which]
+    p = bx(tmp_path, "verify", art.bxa, "--trusted-key", path)
+    assert "public key" in assert_input_error(p)
+    assert p.stdout == ""
 
 
 # --------------------------------------------------------------------------
@@ -589,10 +599,14 @@ def test_verify_with_a_model_of_another_digest(art, tmp_path):
     assert p.stdout == ""
 
 
-@pytest.mark.parametrize("which", ["missing", "not_gguf"])
+@pytest.mark.parametrize("which", ["missing", "not_gguf", "empty path"])
 def test_verify_with_a_missing_or_bad_model(art, tmp_path, which):
-    path = str(tmp_path / "nope.gguf") if which == "missing" else write(tmp_path / "bad.gguf", b"GGUX" * 64)
-    assert_input_error(bx(tmp_path, "verify", art.bxa, "--model", path))
+    """An empty --model names no file (as for run), not the default model."""
+    path = {"missing": str(tmp_path / "nope.gguf"), "not_gguf": write(tmp_path / "bad.gguf", b"GGUX" * 64),
+            "empty path": ""}[which]
+    p = bx(tmp_path, "verify", art.bxa, "--model", path)
+    assert_input_error(p)
+    assert p.stdout == ""
 
 
 @pytest.mark.parametrize("path,value,why", [
@@ -919,6 +933,23 @@ def test_serve_rejects_bad_options_and_foreign_stores(art, tmp_path, args, needl
             args += ["--port", str(s.getsockname()[1])]
     p = bx(tmp_path, "serve", "--key", art.key, "--device", "cpu", *args, timeout=120)
     assert needle in assert_input_error(p)
+
+
+def test_serve_refuses_a_foreign_store_behind_damaged_rows(art, tmp_path):
+    """Damaged earliest rows (a blob that is no attestation, a row holding an integer)
+    do not hide that the attestations after them are another key's: refused at start."""
+    from node.store import AttestationStore
+    from test_store_and_models import plant
+    store = AttestationStore(str(tmp_path / "data"))
+    junk = b"\x92\x01\x02"
+    store.put(hashlib.sha256(junk).hexdigest(), "t", "d", junk)
+    store.close()
+    plant(tmp_path / "data", "ab" * 32, 12345)
+    plant(tmp_path / "data", hashlib.sha256(art.data).hexdigest(), art.data)
+    assert bx(tmp_path, "keygen", "--out", "other.pem").returncode == 0
+    p = bx(tmp_path, "serve", "--key", "other.pem", "--device", "cpu", "--port", "0", "--data-dir", tmp_path / "data",
+           timeout=120)
+    assert f"signed by key id {art.payload['signer']['key_id']}" in assert_input_error(p)
 
 
 @pytest.mark.parametrize("where", ["busy port", "bad host", "host name past IDNA's limits"])

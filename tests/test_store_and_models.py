@@ -52,6 +52,21 @@ def test_store_refuses_a_table_of_another_shape(tmp_path):
         AttestationStore(str(tmp_path))
 
 
+def test_a_store_that_can_only_be_read_is_refused_when_opened(tmp_path, monkeypatch):
+    """SQLite opens a database file it may not write read-only, silently (a file of
+    another owner, a read-only mount; simulated with mode=ro, since root writes any
+    file): the store refuses it when opened, not at the first put, after a request's work."""
+    AttestationStore(str(tmp_path)).close()
+    real = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda path, **k: real(f"file:{path}?mode=ro", uri=True, **k))
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        AttestationStore(str(tmp_path))
+    monkeypatch.undo()
+    store = AttestationStore(str(tmp_path))   # the store itself is left as it was
+    assert store.count() == 0
+    store.close()
+
+
 def plant(folder, att_id: str, blob) -> None:
     """Write a row straight into the store's database, as a damaged or foreign writer could."""
     db = sqlite3.connect(os.path.join(folder, "attestations.sqlite3"), isolation_level=None)
@@ -167,10 +182,25 @@ def test_a_tensor_with_an_empty_dimension_or_none_is_a_model_error(tmp_path, sha
         load_model(path)
 
 
-@pytest.mark.parametrize("existing", [False, True])
+def test_a_model_named_through_a_link_and_dotdot_keeps_the_file_it_read(tmp_path, monkeypatch):
+    """``link/../m.gguf`` is the m.gguf beside the link's target: Model.path (which the
+    tokenizer and the rank processes open again) names that file, not the m.gguf a
+    textual folding of the name would give (absent here, or another model)."""
+    (tmp_path / "real" / "inner").mkdir(parents=True)
+    (tmp_path / "cwd").mkdir()
+    os.symlink(tmp_path / "real" / "inner", tmp_path / "cwd" / "link")
+    real = write_model(str(tmp_path / "real" / "m.gguf"), shape=(64, 2, 4, 2, 96, 256), qtype="Q8_0")
+    monkeypatch.chdir(tmp_path / "cwd")
+    model = load_model(os.path.join("link", "..", "m.gguf"))
+    assert os.path.isabs(model.path) and os.path.exists(model.path) and os.path.samefile(model.path, real)
+
+
+@pytest.mark.parametrize("existing", [False, True, "through a link"])
 def test_a_store_that_cannot_be_created_leaves_nothing(tmp_path, monkeypatch, existing):
     """A full disk while the store is created (its table cannot be written): the error
-    propagates and neither the database file nor a folder the store made is left."""
+    propagates and neither the database file nor a folder the store made is left, also
+    when the folder is named through a symbolic link and ``..`` (``link/../data`` is
+    beside the link's target)."""
     real = sqlite3.connect
 
     class FullDisk:
@@ -186,12 +216,18 @@ def test_a_store_that_cannot_be_created_leaves_nothing(tmp_path, monkeypatch, ex
             self.db.close()
 
     folder = tmp_path / "a" / "b" / "data"   # makedirs makes three folders when none exists
-    if existing:
+    if existing == "through a link":
+        (tmp_path / "real" / "inner").mkdir(parents=True)
+        os.symlink(tmp_path / "real" / "inner", tmp_path / "link")
+        folder = tmp_path / "link" / ".." / "a" / "data"
+    elif existing:
         folder.mkdir(parents=True)
     monkeypatch.setattr(sqlite3, "connect", FullDisk)
     with pytest.raises(sqlite3.OperationalError, match="disk is full"):
         AttestationStore(str(folder))
-    if existing:
+    if existing == "through a link":
+        assert sorted(os.listdir(tmp_path)) == ["link", "real"] and os.listdir(tmp_path / "real") == ["inner"]
+    elif existing:
         assert folder.is_dir() and not any(folder.iterdir())
     else:
         assert list(tmp_path.iterdir()) == []

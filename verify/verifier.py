@@ -50,7 +50,7 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
     did not reproduce); raises AttestationError/ModelError when the file cannot
     be checked at all."""
     payload = read_attestation(path, trusted_key)
-    model = load_model(model_path or default_model_path())
+    model = load_model(default_model_path() if model_path is None else model_path)
     want = payload["model"]["sha256"]
     if model.sha256 != want:
         raise ModelError(f"model digest differs: the attestation names {want}, {model.path} is {model.sha256}")
