@@ -80,8 +80,10 @@ ONE_LINE_ERRORS = OneLineErrors()
 # (absent, null, false, 0, empty or this value is accepted; anything else is a 400).
 # Sampler extensions other OpenAI-compatible servers take (llama.cpp server, vLLM) are refused alike.
 # Output constraints have NULL_ONLY: an empty schema, regex or list still constrains the output.
-NULL_ONLY = object()
-UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": None, "suffix": None, "best_of": 1,
+# logprobs has NULL_OR_FALSE: chat's false asks for nothing, but completions' 0 asks for the
+# sampled tokens' log-probabilities.
+NULL_ONLY, NULL_OR_FALSE = object(), object()
+UNSUPPORTED = {"logprobs": NULL_OR_FALSE, "top_logprobs": None, "echo": None, "suffix": None, "best_of": 1,
                "presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "tools": None,
                "functions": None, "function_call": None, "tool_choice": None, "parallel_tool_calls": None,
                "response_format": {"type": "text"}, "repetition_penalty": 1, "repeat_penalty": 1,
@@ -236,7 +238,12 @@ class Node:
             raise ApiError(400, "only n=1 is supported", param="n")
         for name, neutral in UNSUPPORTED.items():
             value = body.get(name)
-            is_set = (value is not None) if neutral is NULL_ONLY else (bool(value) and value != neutral)
+            if neutral is NULL_ONLY:
+                is_set = value is not None
+            elif neutral is NULL_OR_FALSE:
+                is_set = value is not None and value is not False
+            else:
+                is_set = bool(value) and value != neutral
             if is_set:
                 raise ApiError(400, f"'{name}' is not supported by this node", param=name)
         # Types here; ranges in SamplingParams.validate and build_request (one rule each).

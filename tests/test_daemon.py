@@ -250,6 +250,7 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),           # integer too long to parse
     (json.dumps({"prompt": "hi", "max_completion_tokens": 2}).encode(), 400, "max_completion_tokens"),
     (json.dumps({"prompt": "hi", "logprobs": 5}).encode(), 400, "logprobs"),
+    (json.dumps({"prompt": "hi", "logprobs": 0}).encode(), 400, "logprobs"),      # the sampled tokens' logprobs
     (json.dumps({"prompt": "hi", "echo": True}).encode(), 400, "echo"),
     (json.dumps({"prompt": "hi", "best_of": 3}).encode(), 400, "best_of"),
     (json.dumps({"prompt": "hi", "repetition_penalty": 1.3}).encode(), 400, "repetition_penalty"),
@@ -293,7 +294,7 @@ def test_bad_chat_requests_name_the_unsupported_field(daemon, extra, param):
 def test_neutral_values_of_unsupported_fields_are_accepted(daemon):
     body = {"messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": 1,
             "response_format": {"type": "text"}, "tool_choice": None, "guided_json": None, "length_penalty": 1.0,
-            "logit_bias": {}}
+            "logit_bias": {}, "logprobs": False, "top_logprobs": 0}
     assert daemon.post_raw("/v1/chat/completions", json.dumps(body).encode())[0] == 200
 
 
