@@ -9,6 +9,10 @@ bash scripts/setup.sh
 . .venv/bin/activate
 mkdir -p quickstart
 [ -f quickstart/node.pem ] || bitexact keygen --out quickstart/node.pem
+if [ ! -f quickstart/node.pub.pem ]; then
+    echo "quickstart: quickstart/node.pub.pem is missing beside quickstart/node.pem; remove quickstart/node.pem to make a new key" >&2
+    exit 2
+fi
 PORT=${BITEXACT_PORT:-8420}
 bitexact serve --key quickstart/node.pem --data-dir quickstart/data --port "$PORT" > quickstart/serve.log 2>&1 &
 SERVER=$!
