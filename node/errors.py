@@ -33,6 +33,12 @@ class RequestError(BitexactError):
         self.param, self.code = param, code
 
 
+class LimitError(RequestError):
+    """A request that ran past a limit of the machine handling it (the chat
+    template's time or memory): the daemon answers it like any bad request,
+    but a verifier cannot conclude from it that the node refused it."""
+
+
 class AttestationError(BitexactError):
     """An attestation file that is truncated, corrupt, tampered or untrusted."""
 

@@ -24,7 +24,7 @@ import threading
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from .errors import RequestError, one_line
+from .errors import LimitError, RequestError, one_line
 
 TEMPLATE_STEPS = 1_000_000  # Python line events one rendering may take (about a second)
 TEMPLATE_ITEMS = 1_000_000  # the longest string or list one ``*`` may build, the most digits one ``**`` may
@@ -138,11 +138,11 @@ class _Renderer:
                 self._conn.send((source, context))
                 if not self._conn.poll(TEMPLATE_SECONDS):
                     self._stop()
-                    raise RequestError(f"chat template failed: it took more than {TEMPLATE_SECONDS:g} s", "messages")
+                    raise LimitError(f"chat template failed: it took more than {TEMPLATE_SECONDS:g} s", "messages")
                 kind, value = self._conn.recv()
             except (EOFError, OSError):
                 self._stop()
-                raise RequestError("chat template failed: the process rendering it died", "messages") from None
+                raise LimitError("chat template failed: the process rendering it died", "messages") from None
         if kind != "ok":
             raise RequestError(f"chat template failed: {one_line(value)}", "messages")   # text from the model file
         return value
@@ -155,5 +155,6 @@ def render_template(source: str, **context) -> str:
     """Render the chat template ``source`` with ``context`` (``messages``,
     ``add_generation_prompt``, ``bos_token``, ``eos_token``: str, bool, lists
     and dicts of them) in the worker process. Raises :class:`RequestError`
-    when the template fails, breaks a limit of this module, or kills the worker."""
+    when the template fails, and its :class:`LimitError` when it runs past this
+    module's time limit or the worker dies (its memory limit)."""
     return _RENDERER.render(source, context)

@@ -627,6 +627,33 @@ def test_verify_fails_a_signed_request_the_node_would_refuse(art, tmp_path, path
     assert len(lines) == 1 and lines[0].startswith("FAIL: the attested request cannot be rebuilt: ") and why in lines[0]
 
 
+def test_a_request_this_machine_cannot_rebuild_is_not_a_fail(art, monkeypatch):
+    """A chat template past this machine's limits (time, memory) says nothing about
+    the attestation: verify raises (exit 2, "cannot be checked"), it does not FAIL."""
+    import verify.verifier as vf
+    from node.errors import BitexactError, LimitError
+
+    def slow(*a, **k):
+        raise LimitError("chat template failed: it took more than 30 s", "messages")
+    monkeypatch.setattr(vf, "build_request", slow)
+    with pytest.raises(BitexactError, match="^cannot rebuild the attested request on this machine: chat template"):
+        vf.verify_file(art.bxa)
+
+
+def test_a_context_the_engine_refuses_is_a_fail(art, monkeypatch):
+    """A signed context length the engine refuses (past 2**20 positions, for a model
+    trained longer) is a request the node would refuse: FAIL, not a usage error."""
+    import verify.verifier as vf
+    from node.errors import RequestError
+
+    def refuse(*a, **k):
+        raise RequestError("the context length must be an integer in [1, 2**20], got 2097152")
+    monkeypatch.setattr(vf, "Engine", refuse)
+    rep = vf.verify_file(art.bxa)
+    assert not rep.ok and rep.message == ("FAIL: the attested request cannot be rebuilt: the context length must "
+                                          "be an integer in [1, 2**20], got 2097152")
+
+
 def test_inspect_and_verify_reject_ext_types_in_a_signed_payload(art, tmp_path):
     import msgpack
     p = _payload_with(art, ("device", "clock"), msgpack.Timestamp(5))

@@ -245,9 +245,22 @@ def test_a_dead_template_process_is_one_request_error_and_is_replaced():
     assert template.render_template("{{ 1 + 1 }}") == "2"
     template._RENDERER._proc.kill()
     template._RENDERER._proc.join()
-    with pytest.raises(RequestError, match="^chat template failed: the process rendering it died$"):
+    with pytest.raises(template.LimitError, match="^chat template failed: the process rendering it died$"):
         template.render_template("{{ 1 + 1 }}")
     assert template.render_template("{{ 2 + 2 }}") == "4"
+
+
+def test_a_template_past_its_time_is_a_limit_error_and_still_a_request_error(monkeypatch):
+    """A rendering past TEMPLATE_SECONDS is this machine's limit (LimitError, which a
+    verifier does not count against the attestation), and a bad request to the daemon."""
+    from node import template
+    from node.errors import LimitError, RequestError
+    monkeypatch.setattr(template, "TEMPLATE_SECONDS", 0)     # no worker answers in no time
+    with pytest.raises(LimitError, match="took more than 0 s") as e:
+        template.render_template("{{ 1 + 1 }}")
+    assert isinstance(e.value, RequestError)
+    monkeypatch.undo()
+    assert template.render_template("{{ 3 + 3 }}") == "6"
 
 
 def test_compiled_templates_are_kept_per_source_and_bounded():

@@ -14,7 +14,7 @@ from attest.canonical import MAX_BYTES
 from attest.envelope import open_envelope
 from attest.readfile import read_regular
 from node.engine import Engine
-from node.errors import AttestationError, ModelError, RequestError
+from node.errors import AttestationError, BitexactError, LimitError, ModelError, RequestError
 from node.generate import Request, build_request, params_of, steps
 from node.gguf_model import default_model_path, load_model
 from node.provenance import model_record
@@ -48,7 +48,8 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
                 device: str = "cpu") -> Report:
     """Verify ``path``. Returns a :class:`Report` (``ok`` False means the output
     did not reproduce); raises AttestationError/ModelError when the file cannot
-    be checked at all."""
+    be checked at all, and BitexactError when this machine cannot rebuild the
+    request within the chat template's limits (node/template.py)."""
     payload = read_attestation(path, trusted_key)
     model = load_model(default_model_path() if model_path is None else model_path)
     want = payload["model"]["sha256"]
@@ -69,12 +70,14 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
         req = Request(prompt=rec["prompt"] if rec["mode"] == "prompt" else None, messages=rec["messages"],
                       max_tokens=rec["max_tokens"], params=params_of(rec), stop=list(rec["stop"]))
         rebuilt = build_request(req, tok, rec["n_ctx"])
+        engine = Engine(model, device=device, n_ctx=rec["n_ctx"]) if rebuilt == rec else None
+    except LimitError as e:   # this machine's limit, not the request's fault: nothing is concluded
+        raise BitexactError(f"cannot rebuild the attested request on this machine: {e}") from None
     except RequestError as e:
         return Report(False, payload, f"FAIL: the attested request cannot be rebuilt: {e}")
     if rebuilt != rec:
         diff = sorted(k for k in rec if rebuilt.get(k) != rec[k])
         return Report(False, payload, f"FAIL: the request does not re-encode to the attested record (fields {diff})")
-    engine = Engine(model, device=device, n_ctx=rec["n_ctx"])
     out = payload["output"]
     want_chain, want_tokens = out["step_chain"], out["tokens"]
     run = steps(engine, tok, rec)
