@@ -89,7 +89,7 @@ def resolve_device(name: str) -> str:
 def cmd_keygen(args) -> int:
     from attest import keys
     kid = keys.generate(args.out, _passphrase(args))
-    print(f"wrote {args.out} (mode 0600) and {keys.pub_path_for(args.out)}; key id {kid}")
+    print(f"wrote {one_line(args.out)} (mode 0600) and {one_line(keys.pub_path_for(args.out))}; key id {kid}")
     return EXIT_OK
 
 
@@ -239,7 +239,7 @@ def cmd_run(args) -> int:
                           "key_id": payload["signer"]["key_id"], "backend": engine.device}))
     else:
         print(res.text)
-        print(f"attestation: {path} (output digest {res.digest.hex()}, {engine.device})", file=sys.stderr)
+        print(f"attestation: {one_line(path)} (output digest {res.digest.hex()}, {engine.device})", file=sys.stderr)
     return EXIT_OK
 
 

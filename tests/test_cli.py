@@ -89,6 +89,15 @@ def test_keygen_writes_private_0600_and_public(tmp_path):
     assert b"ENCRYPTED" not in (tmp_path / "KEY.pem").read_bytes()
 
 
+def test_keygen_success_line_escapes_the_path(tmp_path):
+    """The paths in keygen's success line are escaped as error lines are: a name
+    with a line break or a terminal escape stays one line and drives nothing."""
+    p = bx(tmp_path, "keygen", "--out", "a\nb\x1b[2J.pem")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("\n") == 1 and "\x1b" not in p.stdout
+    assert p.stdout.startswith("wrote a\\nb\\x1b[2J.pem (mode 0600) and a\\nb\\x1b[2J.pub.pem; key id "), p.stdout
+
+
 @pytest.mark.parametrize("existing", ["KEY.pem", "KEY.pub.pem"])
 def test_keygen_refuses_to_overwrite_either_file(tmp_path, existing):
     write(tmp_path / existing, b"precious")
