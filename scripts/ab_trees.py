@@ -104,11 +104,8 @@ def main() -> int:
                            for b in args.batches}
         digests.add(tuple(tuple(v["logits_sha256"]) for v in res["trees"][t].values()))
     res["same_bytes"] = len(digests) == 1
-    with open(args.out + ".part", "w") as f:
-        json.dump(res, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(args.out + ".part", args.out)
+    from attest.atomic import atomic_write
+    atomic_write(args.out, json.dumps(res, indent=1).encode())
     print(json.dumps(res, indent=1))
     return 0 if res["same_bytes"] else 1
 

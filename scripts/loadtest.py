@@ -7,6 +7,9 @@ latency and the number of digests that differ from the solo reference (which
 must be 0). Starts its own daemon unless ``--url`` is given.
 
     python scripts/loadtest.py --requests 200 --concurrency 32 [--device cpu|cuda] [--url http://127.0.0.1:8420]
+
+Exit status: 0 when no digest differs, 1 when one does, 2 for bad arguments or
+a daemon that fails, refuses a request or cannot be reached (one line on stderr).
 """
 
 from __future__ import annotations
@@ -23,9 +26,16 @@ import tempfile
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "def quicksort(xs):",
            "Three facts about the Moon:", "1, 1, 2, 3, 5, 8,", "Translate 'good morning' into Spanish:",
            "The best way to learn a language is", "Q: What is 12 times 12?\nA:"]
+
+
+def fail(message: str):
+    print(f"loadtest: {message}".replace("\n", " "), file=sys.stderr)
+    sys.exit(2)
 
 
 def requests_pool(rng: random.Random, max_tokens: int) -> list[dict]:
@@ -66,18 +76,20 @@ def start_daemon(args) -> tuple[subprocess.Popen, str]:
     end = time.time() + 180
     while time.time() < end:
         if proc.poll() is not None:
-            sys.exit(f"loadtest: the daemon exited: {proc.stderr.read().strip()}")
+            fail(f"the daemon exited: {proc.stderr.read().strip()}")
         try:
             urllib.request.urlopen(url + "/health", timeout=1)
             return proc, url
         except OSError:
             time.sleep(0.3)
     proc.kill()
-    sys.exit("loadtest: the daemon did not start within 180 s")
+    fail("the daemon did not start within 180 s")
 
 
 def main() -> int:
     import openai
+
+    from attest.atomic import atomic_write
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=200)
@@ -90,8 +102,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the report here")
     args = ap.parse_args()
-    if not (1 <= args.concurrency <= 1024 and 1 <= args.requests <= 100_000):
-        sys.exit("loadtest: --concurrency must be in [1, 1024] and --requests in [1, 100000]")
+    if not (1 <= args.concurrency <= 1024 and 1 <= args.requests <= 100_000 and 1 <= args.max_tokens <= 4096
+            and 1 <= args.max_batch <= 1024):
+        fail("--concurrency must be in [1, 1024], --requests in [1, 100000], --max-tokens in [1, 4096] and "
+             "--max-batch in [1, 1024]")
     proc, url = (None, args.url) if args.url else start_daemon(args)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
@@ -113,9 +127,10 @@ def main() -> int:
                   "digests_differing_from_solo": differ}
         print(json.dumps(report, indent=1))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+            atomic_write(args.json, json.dumps(report, indent=1).encode())
         return 0 if differ == 0 else 1
+    except openai.APIError as e:     # the daemon refused a request or cannot be reached
+        fail(f"{url}: {type(e).__name__}: {e}")
     finally:
         if proc is not None:
             proc.terminate()

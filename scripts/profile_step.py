@@ -106,8 +106,8 @@ def main() -> int:
     os.unlink(path)
     print(json.dumps(report, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        from attest.atomic import atomic_write
+        atomic_write(args.out, json.dumps(report, indent=1).encode())
     return 0
 
 

@@ -174,8 +174,8 @@ def main() -> int:
                 print(json.dumps(run), flush=True)
         del wsets
         cp.get_default_memory_pool().free_all_blocks()
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    from attest.atomic import atomic_write
+    atomic_write(args.out, json.dumps(report, indent=1).encode())
     return 0 if all(r["same_bytes"] for r in report["runs"]) else 1
 
 
