@@ -471,6 +471,19 @@ def test_a_closed_stdout_pipe_is_exit_141_without_a_traceback(art):
     assert p.wait(timeout=120) == 141 and err == "", err
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["run", "--help"]])
+def test_a_closed_stdout_pipe_is_exit_141_for_help_and_version(args):
+    """`bitexact --version | true`: argparse's own output to a reader that is gone
+    exits 141 like a command's, not 2 with an error line."""
+    import subprocess
+    from test_attest import cli_env
+    p = subprocess.Popen([sys.executable, "-m", "node.cli", *args], env=cli_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
+
+
 def test_verify_ok(art, tmp_path):
     shutil.copy(art.bxa, tmp_path / "a.bxa")
     p = bx(tmp_path, "verify", "a.bxa")
