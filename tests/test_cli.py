@@ -773,7 +773,7 @@ def test_verify_runs_one_step_past_a_claim_that_stops_early(art, tmp_path, forwa
     p["output"].update(tokens=[t for t, _ in true[:2]], step_chain=[c for _, c in true[:2]], finish_reason="stop")
     forward_calls.clear()
     rep = verify_file(write(tmp_path / "s.bxa", envelope.seal(p, art.private_key())))
-    assert (rep.ok, rep.message) == (False, f"FAIL: first divergent step 2: expected token None, got token {true[2][0]}")
+    assert (rep.ok, rep.message) == (False, f"FAIL: first divergent step 2: expected the end of the output, got token {true[2][0]}")
     assert forward_calls == [[len(p["request"]["prompt_tokens"])], [1], [1]]
 
 
