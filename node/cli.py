@@ -2,7 +2,7 @@
 
 Exit codes: 0 success (verify: OK); 1 verify: FAIL, the output did not
 reproduce; 2 the input could not be processed (one ``bitexact: error:`` line);
-130 interrupted.
+130 interrupted; 141 the reader of standard output went away.
 """
 
 from __future__ import annotations
