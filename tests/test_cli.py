@@ -76,6 +76,20 @@ def test_version_and_a_missing_command(tmp_path):
     assert "the following arguments are required: command" in assert_input_error(bx(tmp_path))
 
 
+def test_quickstart_refuses_port_0_before_setup(tmp_path):
+    """BITEXACT_PORT=0 would have serve listen on a port the quick start's client
+    cannot know: one line, exit 2, before setup or any file is written."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    copy = tmp_path / "repo"
+    (copy / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(root, "scripts", "quickstart.sh"), copy / "scripts")
+    p = subprocess.run(["bash", str(copy / "scripts" / "quickstart.sh")], env={**os.environ, "BITEXACT_PORT": "0"},
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "BITEXACT_PORT=0" in p.stderr, (p.returncode, p.stderr)
+    assert listing(copy) == ["scripts"]
+
+
 def test_keygen_writes_private_0600_and_public(tmp_path):
     p = bx(tmp_path, "keygen", "--out", "KEY.pem")
     assert p.returncode == 0, p.stderr
