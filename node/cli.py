@@ -2,7 +2,7 @@
 
 Exit codes: 0 success (verify: OK); 1 verify: FAIL, the output did not
 reproduce; 2 the input could not be processed (one ``bitexact: error:`` line);
-130 interrupted.
+130 interrupted; 141 the reader of standard output went away.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ class _Parser(argparse.ArgumentParser):
             if file is not sys.stdout:
                 return
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            if isinstance(e, BrokenPipeError):   # the reader went away (`| head`), as for a command
+                self.exit(141)
             self.exit(EXIT_INPUT, f"bitexact: error: cannot write to standard output: {e.strerror or e}\n")
 
 

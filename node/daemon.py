@@ -109,8 +109,11 @@ class ApiError(Exception):
         self.status, self.message, self.etype, self.param, self.code = status, message, etype, param, code
 
     def response(self) -> web.Response:
-        return web.json_response({"error": {"message": self.message, "type": self.etype, "param": self.param,
+        resp = web.json_response({"error": {"message": self.message, "type": self.etype, "param": self.param,
                                             "code": self.code}}, status=self.status)
+        if self.status == 408:   # a body that did not arrive: the connection closes, even if the rest comes later
+            resp.force_close()   # (aiohttp first reads what arrives of it for up to 10 s, its lingering time)
+        return resp
 
 
 def _not_json(name: str):
@@ -330,7 +333,7 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
              drain_timeout_s: float = 30.0) -> web.Application:
     """The daemon's aiohttp application. A request body larger than ``max_body_bytes``
     is a 413; one that has not fully arrived ``body_timeout_s`` seconds after its
-    headers is a 408 (the connection then closes). At shutdown the requests queued
+    headers is a 408 (the connection then closes, within aiohttp's 10 s lingering time). At shutdown the requests queued
     and running have ``drain_timeout_s`` seconds to finish; those still running
     then end with a 503 (an error event when streaming), not a dropped connection."""
 

@@ -5,6 +5,11 @@
 # node's public key. The daemon is stopped (SIGTERM, drained) at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PORT=${BITEXACT_PORT:-8420}
+if [ "$PORT" = 0 ]; then   # serve would listen on a free port, but the client below needs to know which
+    echo "quickstart: BITEXACT_PORT=0 is not supported here: name a free port" >&2
+    exit 2
+fi
 bash scripts/setup.sh
 . .venv/bin/activate
 mkdir -p quickstart
@@ -13,7 +18,6 @@ if [ ! -f quickstart/node.pub.pem ]; then
     echo "quickstart: quickstart/node.pub.pem is missing beside quickstart/node.pem; remove quickstart/node.pem to make a new key" >&2
     exit 2
 fi
-PORT=${BITEXACT_PORT:-8420}
 bitexact serve --key quickstart/node.pem --data-dir quickstart/data --port "$PORT" > quickstart/serve.log 2>&1 &
 SERVER=$!
 trap 'rc=$?; kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; exit $rc' EXIT

@@ -76,6 +76,20 @@ def test_version_and_a_missing_command(tmp_path):
     assert "the following arguments are required: command" in assert_input_error(bx(tmp_path))
 
 
+def test_quickstart_refuses_port_0_before_setup(tmp_path):
+    """BITEXACT_PORT=0 would have serve listen on a port the quick start's client
+    cannot know: one line, exit 2, before setup or any file is written."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    copy = tmp_path / "repo"
+    (copy / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(root, "scripts", "quickstart.sh"), copy / "scripts")
+    p = subprocess.run(["bash", str(copy / "scripts" / "quickstart.sh")], env={**os.environ, "BITEXACT_PORT": "0"},
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "BITEXACT_PORT=0" in p.stderr, (p.returncode, p.stderr)
+    assert listing(copy) == ["scripts"]
+
+
 def test_keygen_writes_private_0600_and_public(tmp_path):
     p = bx(tmp_path, "keygen", "--out", "KEY.pem")
     assert p.returncode == 0, p.stderr
@@ -486,6 +500,19 @@ def test_a_closed_stdout_pipe_is_exit_141_without_a_traceback(art):
     assert p.wait(timeout=120) == 141 and err == "", err
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["run", "--help"]])
+def test_a_closed_stdout_pipe_is_exit_141_for_help_and_version(args):
+    """`bitexact --version | true`: argparse's own output to a reader that is gone
+    exits 141 like a command's, not 2 with an error line."""
+    import subprocess
+    from test_attest import cli_env
+    p = subprocess.Popen([sys.executable, "-m", "node.cli", *args], env=cli_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
+
+
 def test_verify_ok(art, tmp_path):
     shutil.copy(art.bxa, tmp_path / "a.bxa")
     p = bx(tmp_path, "verify", "a.bxa")
@@ -810,7 +837,7 @@ def test_verify_runs_one_step_past_a_claim_that_stops_early(art, tmp_path, forwa
     p["output"].update(tokens=[t for t, _ in true[:2]], step_chain=[c for _, c in true[:2]], finish_reason="stop")
     forward_calls.clear()
     rep = verify_file(write(tmp_path / "s.bxa", envelope.seal(p, art.private_key())))
-    assert (rep.ok, rep.message) == (False, f"FAIL: first divergent step 2: expected token None, got token {true[2][0]}")
+    assert (rep.ok, rep.message) == (False, f"FAIL: first divergent step 2: expected the end of the output, got token {true[2][0]}")
     assert forward_calls == [[len(p["request"]["prompt_tokens"])], [1], [1]]
 
 

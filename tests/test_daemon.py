@@ -689,6 +689,28 @@ def test_a_body_that_does_not_arrive_gets_408_and_the_connection_closes(key, tmp
         assert d.stop() == 0
 
 
+def test_a_408_closes_the_connection_even_when_the_rest_of_the_body_comes(key, tmp_path):
+    """The 408 says Connection: close, and a client that sends the rest of its body
+    after it, then another request, gets no second answer on that connection."""
+    d = Daemon(key, str(tmp_path / "data"), "--body-timeout", "1")
+    try:
+        with socket.create_connection(("127.0.0.1", d.port), timeout=30) as s:
+            s.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+                      b'Content-Length: 20\r\n\r\n{"pr')
+            head = s.recv(65536)
+            assert head.split(b" ", 2)[1] == b"408" and b"\r\nConnection: close\r\n" in head, head
+            s.sendall(b"x" * 16)
+            time.sleep(0.5)
+            try:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                rest = s.recv(65536)
+            except ConnectionResetError:
+                rest = b""
+            assert rest == b"", rest
+    finally:
+        assert d.stop() == 0
+
+
 def test_bad_chat_requests_and_node_keeps_serving(daemon, solo):
     for body in ({"messages": "hi"}, {"messages": []}, {"messages": [{"role": "user"}]},
                  {"messages": [{"role": "user", "content": 5}]}, {"messages": [{"role": "user", "content": ""}]}):

@@ -104,6 +104,8 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
 def _divergence(payload: dict, i: int, et: int | None, gt: int | None) -> Report:
     """The FAIL report for step ``i``, where the attested token was ``et`` and the re-executed one ``gt``
     (None: that side has no step ``i``)."""
-    what = (f"expected token {et}, got token {gt}" if et != gt else
+    def name(t):
+        return "the end of the output" if t is None else f"token {t}"
+    what = (f"expected {name(et)}, got {name(gt)}" if et != gt else
             f"token {et} in both, but the step digest (logits, or the request it chains from) differs")
     return Report(False, payload, f"FAIL: first divergent step {i}: {what}", i, et, gt)
