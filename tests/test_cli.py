@@ -334,6 +334,8 @@ def test_run_chat_text_that_is_not_a_json_list_is_one_user_message(art, cwd):
     assert p.returncode == 0, p.stderr
     q = bx(cwd, "inspect", "--json", "a.bxa")
     assert json.loads(q.stdout)["request"]["messages"] == [{"role": "user", "content": text}]
+    v = bx(cwd, "verify", "a.bxa")
+    assert v.returncode == 0 and v.stdout.startswith("OK: 1 token reproduced, output digest "), v.stdout
 
 
 def test_run_chat_list_with_an_unconvertible_integer_is_one_user_message(art, cwd):

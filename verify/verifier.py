@@ -98,7 +98,8 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
                                            ("finish reason", res.finish_reason, out["finish_reason"])) if got != want]
     if differ:
         return Report(False, payload, f"FAIL: every step matched but the output differs in: {', '.join(differ)}")
-    return Report(True, payload, f"OK: {len(res.tokens)} tokens reproduced, output digest {res.digest.hex()}")
+    n = len(res.tokens)
+    return Report(True, payload, f"OK: {n} token{'' if n == 1 else 's'} reproduced, output digest {res.digest.hex()}")
 
 
 def _divergence(payload: dict, i: int, et: int | None, gt: int | None) -> Report:
