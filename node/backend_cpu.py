@@ -27,13 +27,16 @@ CHUNK_BYTES = 64 << 20      # decoded bytes per row chunk of a matrix the budget
 def weight_cache_bytes() -> int:
     """Bytes of decoded weights the CPU engine keeps between steps:
     ``$BITEXACT_CPU_WEIGHT_CACHE_MB`` MiB when set, else half of the machine's
-    physical memory (unlimited where the platform does not report it).
-    Raises :class:`BitexactError` for a value that is not an integer >= 0."""
+    physical memory (unlimited where the platform does not report it, or for
+    more than 12 digits of MiB). Raises :class:`BitexactError` for a value that
+    is not ASCII digits (surrounding whitespace allowed)."""
     v = os.environ.get(CACHE_ENV)
     if v is not None:
-        if not v.strip().isdigit():
+        digits = v.strip()
+        if not (digits.isascii() and digits.isdigit()):   # not '²' or '٣', which str.isdigit accepts
             raise BitexactError(f"{CACHE_ENV} must be a whole number of MiB (0 or more), got {v!r}")
-        return int(v) << 20
+        digits = digits.lstrip("0") or "0"
+        return 1 << 62 if len(digits) > 12 else int(digits) << 20   # int() refuses over 4300 digits
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     except (AttributeError, ValueError, OSError):

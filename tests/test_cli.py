@@ -464,6 +464,16 @@ def test_a_deleted_working_folder_is_named(art, tmp_path):
     assert p.returncode == 2 and err == "bitexact: error: cannot use the working folder: No such file or directory\n", err
 
 
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_a_bad_cpu_weight_budget_is_one_error_line(art, tmp_path, command):
+    """A budget str.isdigit accepts but int() does not ('²'): exit 2, one line naming the variable."""
+    from node.backend_cpu import CACHE_ENV
+    args = (["--key", art.key, "--prompt", "hi", "--max-tokens", "1"] if command == "run" else [art.bxa])
+    p = bx(tmp_path, command, *args, "--device", "cpu", env={CACHE_ENV: "\u00b2"})
+    assert CACHE_ENV in assert_input_error(p)
+    assert not list(tmp_path.glob("*.bxa"))
+
+
 def test_overflowing_weights_give_one_error_line_without_numpy_warnings(art, tmp_path):
     """output_norm weights of 1e38 overflow fp32 in the forward pass: numpy's
     RuntimeWarnings stay silent and the run ends with the engine's one NaN line."""

@@ -156,14 +156,15 @@ def test_weights_beyond_the_cpu_cache_budget_give_the_same_bytes(tmp_path, monke
         assert (kept > 0) == (budget > 0)
 
 
-@pytest.mark.parametrize("value, want", [("0", 0), ("12", 12 << 20), (" 7 ", 7 << 20)])
+@pytest.mark.parametrize("value, want", [("0", 0), ("12", 12 << 20), (" 7 ", 7 << 20), ("0" * 5000 + "3", 3 << 20),
+                                         ("9" * 13, 1 << 62), ("9" * 5000, 1 << 62)])
 def test_the_cpu_weight_budget_is_read_from_the_environment(monkeypatch, value, want):
     import node.backend_cpu as bc
     monkeypatch.setenv(bc.CACHE_ENV, value)
     assert bc.weight_cache_bytes() == want
 
 
-@pytest.mark.parametrize("value", ["", "-1", "1.5", "lots", "1e3"])
+@pytest.mark.parametrize("value", ["", "-1", "1.5", "lots", "1e3", "\u00b2", "\u0663", "\uff11\uff12", "+3", "1_0"])
 def test_a_bad_cpu_weight_budget_is_one_error(tiny, monkeypatch, value):
     import node.backend_cpu as bc
     monkeypatch.setenv(bc.CACHE_ENV, value)
