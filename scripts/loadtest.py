@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +37,25 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", 
 def fail(message: str):
     print(f"loadtest: {message}".replace("\n", " "), file=sys.stderr)
     sys.exit(2)
+
+
+def check_url(url: str) -> None:
+    """Refuse (exit 2) an ``--url`` that is not http(s)://HOST[:PORT] (the client would
+    raise a traceback for a bad IPv6 literal, or say only "Connection error")."""
+    try:
+        u = urllib.parse.urlsplit(url)
+        u.port   # noqa: B018 - raises ValueError for a port that is not a number in [0, 65535]
+    except ValueError as e:
+        fail(f"--url {url!r} is not a URL: {e}")
+    if u.scheme not in ("http", "https") or not u.hostname:
+        fail(f"--url {url!r} must be http://HOST[:PORT] or https://HOST[:PORT]")
+
+
+def check_report_path(path: str) -> None:
+    """Refuse (exit 2) a ``--json`` path that cannot be written, before the load test runs."""
+    folder = os.path.dirname(path) or "."
+    if not path or os.path.isdir(path) or not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        fail(f"--json {path!r}: not a file in a writable folder")
 
 
 def requests_pool(rng: random.Random, max_tokens: int) -> list[dict]:
@@ -92,6 +112,7 @@ def main() -> int:
     from attest.atomic import atomic_write
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.error = lambda message: fail(f"{message} (see --help)")   # one line, exit 2
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -106,7 +127,11 @@ def main() -> int:
             and 1 <= args.max_batch <= 1024):
         fail("--concurrency must be in [1, 1024], --requests in [1, 100000], --max-tokens in [1, 4096] and "
              "--max-batch in [1, 1024]")
-    proc, url = (None, args.url) if args.url else start_daemon(args)
+    if args.url is not None:
+        check_url(args.url)
+    if args.json is not None:
+        check_report_path(args.json)
+    proc, url = (None, args.url) if args.url is not None else start_daemon(args)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
         rng = random.Random(args.seed)
@@ -127,7 +152,10 @@ def main() -> int:
                   "digests_differing_from_solo": differ}
         print(json.dumps(report, indent=1))
         if args.json:
-            atomic_write(args.json, json.dumps(report, indent=1).encode())
+            try:
+                atomic_write(args.json, json.dumps(report, indent=1).encode())
+            except OSError as e:
+                fail(f"cannot write {args.json}: {e.strerror or e}")
         return 0 if differ == 0 else 1
     except openai.APIError as e:     # the daemon refused a request or cannot be reached
         fail(f"{url}: {type(e).__name__}: {e}")
