@@ -121,7 +121,10 @@ class RankBackend(TpCpuBackend):
 
     It keeps only its own shard of each matrix (decoded once, copied out of
     the whole decoded matrix, which is then dropped), so a rank's weights
-    take about ``1/tp`` of the model's decoded size. Column-parallel products
+    take about ``1/tp`` of the model's decoded size. The shards count against
+    the CPU weight budget (:func:`node.backend_cpu.weight_cache_bytes`), split
+    evenly between the ranks: a shard beyond the rank's share is cut again from
+    the matrix decoded at every use. Column-parallel products
     stay local (:class:`node.tp.ShardPlan`): attention runs over the rank's
     ``attn_heads`` with a KV cache of its own KV heads, the SiLU gate over its
     FFN features, and a row-parallel product reads the rank's own activations
@@ -132,6 +135,7 @@ class RankBackend(TpCpuBackend):
     def __init__(self, model: Model, tp: int, rank: int, gather: ShmAllGather):
         self.rank = rank
         super().__init__(model, tp)
+        self._cache_left //= tp                 # the node's budget, shared by its rank processes
         self.gather = gather
         self._own: dict[str, object] = {}
 
@@ -139,10 +143,17 @@ class RankBackend(TpCpuBackend):
         return self.plan.kv_heads(self.rank)
 
     def _shard(self, name, r):
+        """This rank's part of ``name``: kept (a copy) while the budget allows, its bytes
+        counted against it; beyond it, cut from the matrix decoded again."""
         w = self._own.get(name)
         if w is None:
-            w = self._own[name] = super()._shard(name, r).copy()   # ndarray or RefQuantWeight
+            w = super()._shard(name, r)                        # ndarray or RefQuantWeight
             self._forget(name)
+            arrays = (w,) if isinstance(w, np.ndarray) else (w.codes, w.scale, w.offset)
+            size = sum(a.nbytes for a in arrays if a is not None)   # of the copy kept
+            if size <= self._cache_left:
+                w = self._own[name] = w.copy()
+                self._cache_left -= size
         return w
 
     def linears(self, x, names):

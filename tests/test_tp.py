@@ -140,6 +140,44 @@ def test_a_rank_gathers_only_row_parallel_partials_and_logits(tmp_path):
         assert eng.backend._kv[seq][0].shape[:2] == (model.hparams.n_layer, kv), rank
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "Q4_1"])
+def test_a_ranks_shards_count_against_the_cpu_weight_budget(tmp_path, monkeypatch, qtype):
+    """A rank process keeps its shards only within its share (1/tp) of the CPU
+    weight budget; beyond it, shards are cut from matrices decoded again, with the
+    same bytes (the stand-in gather hands back the rank's own piece for every rank,
+    alike for every budget)."""
+    import node.backend_cpu as bc
+    from node.tp_runtime import RankBackend
+
+    class SelfGather:
+        def all_gather(self, a):
+            return [a] * 2
+
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, qtype, seed=3))
+    out = {}
+    for mb in (None, "0", "1"):
+        if mb is None:
+            monkeypatch.delenv(bc.CACHE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(bc.CACHE_ENV, mb)
+        for rank in range(2):
+            be = RankBackend(model, 2, rank, SelfGather())
+            share = be._cache_left
+            eng = Engine(model, "cpu", 64, backend=be)
+            seq = eng.new_sequence()
+            out[mb, rank] = np.concatenate([eng.forward([(seq, [1, 2, 3])], all_logits=True)[0],
+                                            eng.forward([(seq, [4])], all_logits=True)[0]]).tobytes()
+            kept = sum(a.nbytes for w in be._own.values()
+                       for a in ((w,) if isinstance(w, np.ndarray) else (w.codes, w.scale, w.offset)) if a is not None)
+            assert kept <= share and be._cache_left == share - kept, (mb, rank)
+            assert not [n for n in be._weights if model.tensors[n].rows > 1], "whole matrices are dropped"
+            if mb is not None:
+                assert share == (int(mb) << 20) // 2
+            assert (kept > 0) == (mb != "0"), (mb, rank)
+    assert len(set(out[mb, 0] for mb in (None, "0", "1"))) == 1
+    assert len(set(out[mb, 1] for mb in (None, "0", "1"))) == 1
+
+
 def test_tp_refuses_a_degree_that_splits_a_head(tmp_path):
     model = load_model(write_model(str(tmp_path / "m.gguf"), (256, 1, 4, 2, 512, 50), "BF16", seed=1))
     Engine(model, tp=4)                                                     # 64 elements per rank = 1 head
