@@ -15,10 +15,12 @@ a daemon that fails, refuses a request or cannot be reached (one line on stderr)
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -84,6 +86,7 @@ def start_daemon(args) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     tmp = tempfile.mkdtemp()
+    atexit.register(shutil.rmtree, tmp, True)   # its key and store, after main has stopped the daemon
     key = os.path.join(tmp, "node.pem")
     subprocess.run([sys.executable, "-m", "node.cli", "keygen", "--out", key], check=True, capture_output=True)
     cmd = [sys.executable, "-m", "node.cli", "serve", "--key", key, "--data-dir", os.path.join(tmp, "data"),

@@ -109,6 +109,21 @@ def test_loadtest_refuses_bad_arguments_before_any_request(tmp_path, args, needl
     assert p.stderr.startswith("loadtest: ") and needle in p.stderr and p.stdout == "", p.stderr
 
 
+def test_loadtest_removes_the_daemons_key_and_store(tmp_path):
+    """The daemon loadtest starts gets a key and a store in a temporary folder, removed
+    at exit (here: the daemon refuses a model without a tokenizer, exit 2)."""
+    import subprocess
+    from test_attest import cli_env
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = write_model(str(tmp_path / "m.gguf"), "tiny", "Q8_0")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = subprocess.run([sys.executable, os.path.join(root, "scripts", "loadtest.py"), "--model", model],
+                       env={**cli_env(), "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "the daemon exited" in p.stderr, p.stderr
+    assert listing(tmp) == []
+
+
 def test_keygen_writes_private_0600_and_public(tmp_path):
     p = bx(tmp_path, "keygen", "--out", "KEY.pem")
     assert p.returncode == 0, p.stderr
