@@ -274,6 +274,11 @@ class RefQuantWeight:
         self.scale = np.ascontiguousarray(scale.T)
         self.offset = None if offset is None else np.ascontiguousarray(offset.T)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its arrays (as ``ndarray.nbytes``)."""
+        return sum(a.nbytes for a in (self.codes, self.scale, self.offset) if a is not None)
+
     def part(self, rows: slice = slice(None), blocks: slice = slice(None)) -> "RefQuantWeight":
         """A view of some output rows and some K blocks (a tensor-parallel shard)."""
         sub = object.__new__(RefQuantWeight)

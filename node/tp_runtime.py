@@ -149,11 +149,9 @@ class RankBackend(TpCpuBackend):
         if w is None:
             w = super()._shard(name, r)                        # ndarray or RefQuantWeight
             self._forget(name)
-            arrays = (w,) if isinstance(w, np.ndarray) else (w.codes, w.scale, w.offset)
-            size = sum(a.nbytes for a in arrays if a is not None)   # of the copy kept
-            if size <= self._cache_left:
+            if w.nbytes <= self._cache_left:                   # the bytes of the copy kept
                 w = self._own[name] = w.copy()
-                self._cache_left -= size
+                self._cache_left -= w.nbytes
         return w
 
     def linears(self, x, names):
