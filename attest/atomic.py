@@ -6,6 +6,13 @@ import os
 import tempfile
 
 
+def resolved_path(path: str) -> str:
+    """``path`` with its folder part as the system resolves it (``os.path.realpath``),
+    keeping the last name: ``abspath`` folds ``link/..`` as text, which names
+    another folder than the system does when ``link`` is a symbolic link."""
+    return os.path.join(os.path.realpath(os.path.dirname(path) or os.curdir), os.path.basename(path))
+
+
 def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = True) -> None:
     """Write ``data`` to ``path`` so readers see either nothing or all of it.
 
@@ -18,8 +25,7 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = Tr
     fsync) removes ``path`` again, so the call leaves the whole file or nothing;
     a rename cannot be undone, so with ``overwrite=True`` the new file stays.
     """
-    # as the system resolves it: abspath (and tempfile with it) folds "link/.." as text
-    folder = os.path.realpath(os.path.dirname(path) or os.curdir)
+    folder = os.path.dirname(resolved_path(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
     linked = False
     try:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from attest.atomic import resolved_path
+
 from .errors import ModelError
 
 QK = 32  # elements per contract block (ggml QK8_0 / QK8_1)
@@ -221,10 +223,8 @@ def load_model(path: str) -> Model:
                                                 "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                                                 "tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id",
                                                 "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token")}
-    # the file's folder as the system resolves it (abspath would fold "link/.." as text): the
-    # tokenizer and the tensor-parallel ranks open ``path`` again, so it must name the same file
-    where = os.path.join(os.path.realpath(os.path.dirname(path) or os.curdir), os.path.basename(path))
-    return Model(path=where, sha256=file_sha256(path), arch=arch, hparams=hp,
+    # the tokenizer and the tensor-parallel ranks open the path again: it must name the same file
+    return Model(path=resolved_path(path), sha256=file_sha256(path), arch=arch, hparams=hp,
                  tensors=tensors, metadata=metadata, tied_output=tied)
 
 
