@@ -76,8 +76,9 @@ class OneLineErrors(logging.Filter):
 
 
 ONE_LINE_ERRORS = OneLineErrors()
-# OpenAI request fields this node does not implement, with their neutral value
-# (absent, null, false, 0, empty or this value is accepted; anything else is a 400).
+# OpenAI request fields this node does not implement, with their neutral value: for None,
+# absent, null, false, 0 or empty is accepted; otherwise absent, null or that value (best_of 0
+# or repetition_penalty 0 is a setting, not the neutral 1). Anything else is a 400.
 # Sampler extensions other OpenAI-compatible servers take (llama.cpp server, vLLM) are refused alike.
 # Output constraints have NULL_ONLY: an empty schema, regex or list still constrains the output.
 # logprobs has NULL_OR_FALSE: chat's false asks for nothing, but completions' 0 asks for the
@@ -245,8 +246,10 @@ class Node:
                 is_set = value is not None
             elif neutral is NULL_OR_FALSE:
                 is_set = value is not None and value is not False
-            else:
-                is_set = bool(value) and value != neutral
+            elif neutral is None:   # absent, null, false, 0 and empty ask for nothing
+                is_set = bool(value)
+            else:   # a field with a neutral setting of its own: 0 or {} is another setting, and true is not 1
+                is_set = value is not None and (value != neutral or isinstance(value, bool))
             if is_set:
                 raise ApiError(400, f"'{name}' is not supported by this node", param=name)
         # Types here; ranges in SamplingParams.validate and build_request (one rule each).

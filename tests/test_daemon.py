@@ -253,6 +253,10 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (json.dumps({"prompt": "hi", "logprobs": 0}).encode(), 400, "logprobs"),      # the sampled tokens' logprobs
     (json.dumps({"prompt": "hi", "echo": True}).encode(), 400, "echo"),
     (json.dumps({"prompt": "hi", "best_of": 3}).encode(), 400, "best_of"),
+    (json.dumps({"prompt": "hi", "best_of": 0}).encode(), 400, "best_of"),               # not the neutral 1
+    (json.dumps({"prompt": "hi", "best_of": True}).encode(), 400, "best_of"),
+    (json.dumps({"prompt": "hi", "repetition_penalty": 0}).encode(), 400, "repetition_penalty"),
+    (json.dumps({"prompt": "hi", "response_format": {}}).encode(), 400, "response_format"),
     (json.dumps({"prompt": "hi", "repetition_penalty": 1.3}).encode(), 400, "repetition_penalty"),
     (json.dumps({"prompt": "hi", "min_p": 0.05}).encode(), 400, "min_p"),
     (json.dumps({"prompt": "hi", "ignore_eos": True}).encode(), 400, "ignore_eos"),
@@ -294,7 +298,7 @@ def test_bad_chat_requests_name_the_unsupported_field(daemon, extra, param):
 def test_neutral_values_of_unsupported_fields_are_accepted(daemon):
     body = {"messages": [{"role": "user", "content": "hi", "name": None}], "max_tokens": 1,
             "response_format": {"type": "text"}, "tool_choice": None, "guided_json": None, "length_penalty": 1.0,
-            "logit_bias": {}, "logprobs": False, "top_logprobs": 0}
+            "logit_bias": {}, "logprobs": False, "top_logprobs": 0, "best_of": 1, "repetition_penalty": None}
     assert daemon.post_raw("/v1/chat/completions", json.dumps(body).encode())[0] == 200
 
 
