@@ -9,7 +9,10 @@ must be 0). Starts its own daemon unless ``--url`` is given.
     python scripts/loadtest.py --requests 200 --concurrency 32 [--device cpu|cuda] [--url http://127.0.0.1:8420]
 
 Exit status: 0 when no digest differs, 1 when one does, 2 for bad arguments or
-a daemon that fails, refuses a request or cannot be reached (one line on stderr).
+a daemon that fails, refuses a request or cannot be reached (one line on stderr),
+128 + N when stopped by signal N (SIGINT, SIGTERM, SIGHUP). The daemon it
+starts stops with it, even when it is killed (SIGKILL: the daemon gets SIGTERM
+from the kernel, Linux ``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -81,6 +85,18 @@ def call(client, model: str, r: dict) -> tuple[str, float]:
     return out.model_extra["attestation"]["output_digest"], time.perf_counter() - t0
 
 
+def _stop_with_parent() -> None:
+    """In the daemon's process before exec: SIGTERM when loadtest's process ends,
+    however it ends (prctl(2) PR_SET_PDEATHSIG; Linux, else nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG = 1
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)   # main's finally stops the daemon, atexit removes its folder
+
+
 def start_daemon(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,7 +110,8 @@ def start_daemon(args) -> tuple[subprocess.Popen, str]:
            "--max-queue", str(args.requests)]
     if args.model:
         cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_stop_with_parent)
     url = f"http://127.0.0.1:{port}"
     end = time.time() + 180
     while time.time() < end:
@@ -134,6 +151,8 @@ def main() -> int:
         check_url(args.url)
     if args.json is not None:
         check_report_path(args.json)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
     proc, url = (None, args.url) if args.url is not None else start_daemon(args)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
@@ -143,8 +162,11 @@ def main() -> int:
         solo = {i: call(client, model, r)[0] for i, r in enumerate(pool)}
         picks = [rng.randrange(len(pool)) for _ in range(args.requests)]
         t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(args.concurrency) as ex:
+        ex = concurrent.futures.ThreadPoolExecutor(args.concurrency)
+        try:
             results = list(ex.map(lambda i: call(client, model, pool[i]), picks))
+        finally:   # on a signal: drop the queued requests; those in flight end with the daemon
+            ex.shutdown(wait=False, cancel_futures=True)
         wall = time.perf_counter() - t0
         lat = sorted(r[1] for r in results)
         differ = sum(results[k][0] != solo[i] for k, i in enumerate(picks))

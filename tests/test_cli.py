@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import stat
 import sys
 
@@ -122,6 +123,63 @@ def test_loadtest_removes_the_daemons_key_and_store(tmp_path):
                        env={**cli_env(), "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "the daemon exited" in p.stderr, p.stderr
     assert listing(tmp) == []
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if d.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_loadtest_stops_its_daemon(tmp_path, signum):
+    """loadtest's own daemon does not outlive it: SIGTERM stops it through main's
+    cleanup (exit 143, temporary folder removed), SIGKILL through the kernel."""
+    import subprocess
+    import time
+    from test_attest import cli_env
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = subprocess.Popen([sys.executable, os.path.join(root, "scripts", "loadtest.py"), "--requests", "1000"],
+                         env={**cli_env(), "TMPDIR": str(tmp)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    end, daemon = time.time() + 60, None
+    while daemon is None and time.time() < end and p.poll() is None:
+        for c in _children(p.pid):
+            try:
+                with open(f"/proc/{c}/cmdline", "rb") as f:
+                    if b"serve" in f.read().split(b"\0"):
+                        daemon = c
+            except OSError:   # an earlier child (keygen) that has just ended
+                pass
+        time.sleep(0.1)
+    assert daemon is not None, p.communicate(timeout=60)
+    time.sleep(1)   # past the daemon's exec
+    p.send_signal(signum)
+    assert p.wait(60) == (143 if signum == signal.SIGTERM else -signal.SIGKILL)
+    end = time.time() + 60
+    while _running(daemon) and time.time() < end:
+        time.sleep(0.2)
+    assert not _running(daemon)
+    if signum == signal.SIGTERM:
+        assert listing(tmp) == []
 
 
 def test_keygen_writes_private_0600_and_public(tmp_path):
