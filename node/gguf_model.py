@@ -33,6 +33,7 @@ BLOCK_BYTES = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (14
 _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                   "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 _MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_VECTORS = ("attn_norm", "ffn_norm", "output_norm", "rope_freqs")   # 1-D tensors, never quantized
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,9 @@ def load_model(path: str) -> Model:
     """Open a GGUF file of the ``llama`` architecture.
 
     Raises :class:`ModelError` naming the problem when the file is missing or
-    unreadable, the architecture or a tensor's quant type is unsupported, a
-    tensor has an empty dimension, or a required tensor is missing.
+    unreadable, the architecture or a tensor's quant type is unsupported (a
+    vector, such as a norm's weights, must be F32, F16 or BF16), a tensor has
+    an empty dimension or the wrong shape, or a required tensor is missing.
     """
     from gguf import GGUFReader
 
@@ -213,6 +215,9 @@ def load_model(path: str) -> Model:
         if (t.rows, t.cols) != want:
             raise ModelError(f"tensor {name} has shape {t.rows}x{t.cols}; the hyperparameters say "
                              f"{want[0]}x{want[1]}")
+        if name.split(".")[-2] in _VECTORS and t.qtype not in FLOAT_TYPES:   # read as floats (float_values)
+            raise ModelError(f"tensor {name} has quant type {t.qtype}; a vector (norm weights, RoPE factors) "
+                             f"must be one of {', '.join(FLOAT_TYPES)}")
     for i in range(n_layer):
         for n in _MATRICES:
             t = tensors[f"blk.{i}.{n}.weight"]

@@ -321,7 +321,14 @@ class TpEngine:
 
     @property
     def broken(self) -> str | None:
-        """Why the engine is broken (a rank died or faulted), or ``None``."""
+        """Why the engine is broken (a rank died or faulted), or ``None``. A rank
+        process that has exited breaks it now, not at the next call, so an idle
+        node's health check says so (its sentinel is polled: no process is reaped)."""
+        if self._broken is None and self._procs:
+            dead = wait([p.sentinel for p in self._procs], timeout=0)
+            if dead:
+                rank = next(r for r, p in enumerate(self._procs) if p.sentinel in dead)
+                self._break(f"tensor-parallel rank {rank} exited")
         return self._broken
 
     def _break(self, why: str) -> BitexactError:

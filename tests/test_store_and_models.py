@@ -231,3 +231,36 @@ def test_a_store_that_cannot_be_created_leaves_nothing(tmp_path, monkeypatch, ex
         assert folder.is_dir() and not any(folder.iterdir())
     else:
         assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_norm.weight", "output_norm.weight"])
+def test_a_quantized_norm_vector_is_refused_at_load(tmp_path, name):
+    """Norm weights are read as floats: a Q8_0 one (valid GGUF, the right shape) is
+    refused by load_model, not at the first forward step, where a daemon that started
+    with it (its health ok) would answer every request with a 500."""
+    import gguf
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    src = write_model(str(tmp_path / "m.gguf"), "tiny", "Q8_0")
+    path = str(tmp_path / "qnorm.gguf")
+    r = GGUFReader(src)
+    w = GGUFWriter(path, "llama")
+    w.kv_data[0].pop("general.architecture", None)
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF."):
+            w.add_key_value(key, f.contents(), f.types[0], f.types[1] if f.types[0] == GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        data = np.array(t.data)
+        if t.name == name:   # 64 values as two Q8_0 blocks: scale 1.0, codes 1
+            block = np.concatenate([np.array([1.0], np.float16).view(np.uint8), np.ones(32, np.uint8)])
+            data = np.tile(block, 2).reshape(1, 68)
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match=f"tensor {name} has quant type Q8_0; a vector .* must be one of F32"):
+        load_model(path)

@@ -509,3 +509,25 @@ def test_tp_ranks_stop_quietly_when_the_parent_is_killed_mid_step(tmp_path):
     assert not any(os.path.exists(f"/proc/{p}") for p in pids), "the ranks outlived their parent"
     assert time.monotonic() - t1 < step_s / 2, (time.monotonic() - t1, step_s)   # not the rest of the step
     assert "Traceback" not in err.read_text(), err.read_text()
+
+
+def test_an_idle_tp_engine_whose_rank_died_is_broken_before_any_call(tmp_path):
+    """A rank process killed while no call runs: ``broken`` says so at once (the
+    daemon's /health answers 503, as documented), not only after the next
+    request has failed with a 500; the next call then refuses at once."""
+    import os
+    import signal
+
+    from node.errors import BitexactError
+    from node.tp_runtime import TpEngine
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, "Q8_0", seed=7))
+    eng = TpEngine(model, 2, n_ctx=64)
+    try:
+        assert eng.broken is None
+        os.kill(eng._procs[1].pid, signal.SIGKILL)
+        eng._procs[1].join(10)
+        assert eng.broken and "rank 1 exited" in eng.broken
+        with pytest.raises(BitexactError, match="must be restarted"):
+            eng.new_sequence()
+    finally:
+        eng.close()
