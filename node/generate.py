@@ -17,6 +17,7 @@ from .tokenizer import TextStream, Tokenizer
 
 PREFILL_CHUNK = 128  # tokens per prefill step; any value gives the same bytes
 MAX_STOP_CHARS = 4096  # characters of one stop string (bounds the work a token can cause)
+MAX_STOP_STRINGS = 16  # stop strings of one request (with MAX_STOP_CHARS, bounds a verifier's work per token)
 
 
 @dataclass
@@ -33,12 +34,15 @@ class Request:
         """Every check that needs no tokenizer or model; raises :class:`RequestError`
         for both or neither of prompt and messages, an empty or non-UTF-8 prompt,
         bad chat messages, ``max_tokens`` outside [1, 2**31), bad sampling
-        parameters or stop strings. :func:`build_request` runs it first."""
+        parameters, or more than MAX_STOP_STRINGS stop strings or a bad one. :func:`build_request` runs it first."""
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("give exactly one of a prompt or chat messages")
         if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens < 2 ** 31:
             raise RequestError(f"max tokens must be an integer in [1, 2**31), got {self.max_tokens}", "max_tokens")
         self.params.validate()
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"a request may have at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}",
+                               "stop")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop strings must be non-empty", "stop")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):

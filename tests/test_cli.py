@@ -754,6 +754,7 @@ def test_verify_with_a_missing_or_bad_model(art, tmp_path, which):
     (("request", "max_tokens"), 2 ** 63, "max tokens"),
     (("request", "top_k"), -1, "top_k"),
     (("request", "stop"), [""], "stop strings"),
+    (("request", "stop"), ["x"] * 17, "at most 16 stop strings"),   # bounds the verifier's work per token
     (("request", "prompt"), "\x04", "encodes to no tokens"),     # a character the vocabulary drops
 ])
 def test_verify_fails_a_signed_request_the_node_would_refuse(art, tmp_path, path, value, why):
