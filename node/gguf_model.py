@@ -191,7 +191,8 @@ def load_model(path: str) -> Model:
         n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, n_ff=num("feed_forward_length", int),
         n_ctx_train=num("context_length", int, 2048),
-        rms_eps=float(np.float32(num("attention.layer_norm_rms_epsilon", float, ok=lambda v: 0 < v < 1))),
+        rms_eps=float(np.float32(num("attention.layer_norm_rms_epsilon", float,
+                                     ok=lambda v: 0 < np.float32(v) < 1))),   # in (0, 1) once rounded
         rope_base=num("rope.freq_base", float, 10000.0, ok=lambda v: v > 1),
         rope_freq_scale=1.0 / factor if scaling == "linear" and factor else 1.0,
     )

@@ -54,7 +54,8 @@ def write_model(path: str, shape: str | tuple = "tiny", qtype: str = "Q8_0", see
     (K-quant matrices whose K is not a multiple of 256 are written as Q8_0);
     ``n_layer`` overrides the layer count (for truncated big shapes);
     ``metadata`` replaces metadata keys (int, float, str or bytes values, bytes
-    being a string's raw bytes; for tests of malformed files).
+    being a string's raw bytes; a float is stored as FLOAT32, a ``numpy.float64``
+    as FLOAT64; for tests of malformed files).
     """
     import gguf
 
@@ -79,7 +80,8 @@ def write_model(path: str, shape: str | tuple = "tiny", qtype: str = "Q8_0", see
         if isinstance(val, bytes):   # a string's raw bytes, e.g. not UTF-8
             w.add_key_value(key, val, gguf.GGUFValueType.STRING)
             continue
-        add = w.add_string if isinstance(val, str) else w.add_float32 if isinstance(val, float) else w.add_uint32
+        add = (w.add_string if isinstance(val, str) else w.add_float64 if isinstance(val, np.float64)
+               else w.add_float32 if isinstance(val, float) else w.add_uint32)
         add(key, val)
 
     def matrix(name, rows, cols, scale):

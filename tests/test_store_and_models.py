@@ -5,6 +5,7 @@ import hashlib
 import os
 import sqlite3
 
+import numpy as np
 import pytest
 
 from node.errors import ModelError
@@ -111,6 +112,8 @@ def test_store_get_returns_the_file_its_id_names(tmp_path):
     ({"llama.attention.head_count_kv": 0}, "head_count_kv has an invalid value"),
     ({"llama.attention.layer_norm_rms_epsilon": "small"}, "not a number"),
     ({"llama.attention.layer_norm_rms_epsilon": -1.0}, "invalid value"),
+    ({"llama.attention.layer_norm_rms_epsilon": np.float64(1e-50)}, "invalid value"),   # 0 in fp32
+    ({"llama.attention.layer_norm_rms_epsilon": np.float64(1 - 1e-12)}, "invalid value"),   # 1 in fp32
     ({"llama.rope.freq_base": 0.0}, "freq_base has an invalid value"),
     ({"llama.rope.freq_base": 1e-30}, "freq_base has an invalid value"),
     ({"llama.attention.layer_norm_rms_epsilon": "1e-5"}, "not a number"),
