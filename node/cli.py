@@ -72,7 +72,8 @@ def _check_replaceable(path: str, args) -> None:
         what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
         raise RequestError(f"refusing to replace {path}: it is {what}")
     for flag, other in (("--key", args.key), ("public key", pub_path_for(args.key)),
-                        ("--passphrase-file", getattr(args, "passphrase_file", None)), ("--model", model)):
+                        ("--passphrase-file", getattr(args, "passphrase_file", None)),
+                        ("--model" if args.model is not None else "default model", model)):
         if other and os.path.exists(other) and os.path.samefile(path, other):
             raise RequestError(f"refusing to replace {path}: it is the {flag} file")
 

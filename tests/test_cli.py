@@ -420,6 +420,21 @@ def test_run_refuses_to_replace_what_is_not_a_plain_output_file(enc_key, tmp_pat
     assert listing(cwd) == []
 
 
+def test_run_refuses_to_replace_the_default_model_by_that_name(art, tmp_path, cwd):
+    """Without --model the refusal names the default model, not a flag the user never
+    gave. The target is a hard link to the installed file in a scratch folder, so that
+    even a broken refusal would only replace the link, never the installed model."""
+    from node.gguf_model import default_model_path
+    link = str(tmp_path / "model-link.gguf")
+    try:
+        os.link(default_model_path(), link)
+    except OSError as e:
+        pytest.skip(f"cannot hard-link the default model here: {e.strerror}")
+    p = bx(cwd, "run", "--key", art.key, "--prompt", "hi", "--attestation", link, "--device", "cpu")
+    assert assert_input_error(p).endswith(f"refusing to replace {link}: it is the default model file")
+    assert os.path.samefile(link, default_model_path()) and listing(cwd) == []
+
+
 @pytest.mark.parametrize("sigs", [["SIGINT"], ["SIGTERM"], ["SIGTERM", "SIGTERM"], ["SIGINT", "SIGTERM", "SIGINT"]])
 def test_run_interrupted_is_exit_130_and_writes_nothing(art, cwd, sigs):
     """One signal or several back to back (an impatient user, `timeout` escalating):
