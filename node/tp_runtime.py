@@ -321,7 +321,14 @@ class TpEngine:
 
     @property
     def broken(self) -> str | None:
-        """Why the engine is broken (a rank died or faulted), or ``None``."""
+        """Why the engine is broken (a rank died or faulted), or ``None``. A rank
+        that exited while the engine was idle breaks it here, when it is asked
+        (``GET /health``), not only at the next call."""
+        if self._broken is None:
+            for rank, p in enumerate(self._procs):
+                if p.exitcode is not None:
+                    self._break(f"tensor-parallel rank {rank} exited")
+                    break
         return self._broken
 
     def _break(self, why: str) -> BitexactError:

@@ -383,6 +383,27 @@ def test_a_request_error_on_one_rank_only_stops_the_others(tmp_path, monkeypatch
         eng.close()
 
 
+def test_a_rank_that_dies_while_idle_breaks_the_engine_when_asked(tmp_path):
+    """A rank killed between calls: ``broken`` says so at once (the daemon's
+    ``GET /health`` is 503 before any request has to fail on it), and the next
+    call says the engine must be restarted."""
+    from node.errors import BitexactError
+    from node.tp_runtime import TpEngine
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, "Q8_0", seed=7))
+    eng = TpEngine(model, 2, n_ctx=256)
+    try:
+        seq = eng.new_sequence()
+        assert eng.broken is None
+        eng._procs[1].kill()
+        eng._procs[1].join()
+        assert eng.broken == "tensor-parallel rank 1 exited"
+        with pytest.raises(BitexactError, match="must be restarted"):
+            eng.length(seq)
+    finally:
+        eng.close()
+    assert not any(p.is_alive() for p in eng._procs)
+
+
 def test_tp_engine_misuse_is_a_request_error_and_leaves_it_usable(tmp_path):
     """Every rank raises the same RequestError for a call the caller got wrong
     (unknown sequence, bad fork length, bad token ids, ...), so the
