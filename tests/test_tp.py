@@ -383,10 +383,10 @@ def test_a_request_error_on_one_rank_only_stops_the_others(tmp_path, monkeypatch
         eng.close()
 
 
-def test_a_rank_that_dies_while_idle_breaks_the_engine_when_asked(tmp_path):
+def test_a_rank_that_dies_while_idle_breaks_the_engine_when_asked(tmp_path, caplog):
     """A rank killed between calls: ``broken`` says so at once (the daemon's
-    ``GET /health`` is 503 before any request has to fail on it), and the next
-    call says the engine must be restarted."""
+    ``GET /health`` is 503 before any request has to fail on it), with one log
+    line, and the next call says the engine must be restarted."""
     from node.errors import BitexactError
     from node.tp_runtime import TpEngine
     model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, "Q8_0", seed=7))
@@ -396,7 +396,9 @@ def test_a_rank_that_dies_while_idle_breaks_the_engine_when_asked(tmp_path):
         assert eng.broken is None
         eng._procs[1].kill()
         eng._procs[1].join()
-        assert eng.broken == "tensor-parallel rank 1 exited"
+        assert eng.broken == "tensor-parallel rank 1 exited" and eng.broken == "tensor-parallel rank 1 exited"
+        lines = [r.getMessage() for r in caplog.records if r.name == "bitexact.tp"]
+        assert len(lines) == 1 and lines[0].startswith("tensor-parallel rank 1 exited (exit code -9)"), lines
         with pytest.raises(BitexactError, match="must be restarted"):
             eng.length(seq)
     finally:
