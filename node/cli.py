@@ -91,6 +91,8 @@ def resolve_device(name: str) -> str:
 
 def cmd_keygen(args) -> int:
     from attest import keys
+    if not args.out:   # names no file (its public key would be ".pub.pem")
+        raise RequestError("--out must not be empty")
     kid = keys.generate(args.out, _passphrase(args))
     print(f"wrote {one_line(args.out)} (mode 0600) and {one_line(keys.pub_path_for(args.out))}; key id {kid}")
     return EXIT_OK

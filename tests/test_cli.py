@@ -168,6 +168,7 @@ def test_keygen_twice_keeps_the_first_key(tmp_path):
     ("pass_empty", ["--out", "KEY.pem", "--passphrase-file", "empty.txt"]),
     ("pass_long", ["--out", "KEY.pem", "--passphrase-file", "long.txt"]),
     (None, ["--out", "KEY.pem", "--passphrase-file", ""]),   # names no file: not a key in the clear
+    (None, ["--out", ""]),                                   # names no file, as --attestation '' and --data-dir ''
 ])
 def test_keygen_errors_write_nothing(tmp_path, setup, args):
     if setup == "pass_empty":
@@ -175,8 +176,10 @@ def test_keygen_errors_write_nothing(tmp_path, setup, args):
     if setup == "pass_long":
         write(tmp_path / "long.txt", b"x" * 1024)
     before = listing(tmp_path)
-    assert_input_error(bx(tmp_path, "keygen", *args))
+    msg = assert_input_error(bx(tmp_path, "keygen", *args))
     assert listing(tmp_path) == before
+    if args == ["--out", ""]:
+        assert msg.endswith("--out must not be empty")
 
 
 def test_env_passphrase_is_the_environment_bytes(tmp_path):
