@@ -72,7 +72,8 @@ def _check_replaceable(path: str, args) -> None:
         what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
         raise RequestError(f"refusing to replace {path}: it is {what}")
     for flag, other in (("--key", args.key), ("public key", pub_path_for(args.key)),
-                        ("--passphrase-file", getattr(args, "passphrase_file", None)), ("--model", model)):
+                        ("--passphrase-file", getattr(args, "passphrase_file", None)),
+                        ("--model" if args.model is not None else "default model", model)):
         if other and os.path.exists(other) and os.path.samefile(path, other):
             raise RequestError(f"refusing to replace {path}: it is the {flag} file")
 
@@ -90,6 +91,8 @@ def resolve_device(name: str) -> str:
 
 def cmd_keygen(args) -> int:
     from attest import keys
+    if not args.out:   # names no file (its public key would be ".pub.pem")
+        raise RequestError("--out must not be empty")
     kid = keys.generate(args.out, _passphrase(args))
     print(f"wrote {one_line(args.out)} (mode 0600) and {one_line(keys.pub_path_for(args.out))}; key id {kid}")
     return EXIT_OK

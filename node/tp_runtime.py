@@ -19,6 +19,7 @@ the same pieces and assembly, with NCCL's all-gather in place of
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -33,6 +34,8 @@ from .engine import Engine, default_n_ctx, draw_rows
 from .errors import BitexactError, ModelError, RequestError
 from .gguf_model import Model, load_model
 from .tp import ShardPlan, TpCpuBackend, check_degree
+
+log = logging.getLogger("bitexact.tp")
 
 SLOT_FLOATS = 1 << 20   # fp32 values each rank can publish per round (4 MiB)
 POLL_S = 0.05           # how often a rank waiting at a gather looks at the abort flag
@@ -322,13 +325,16 @@ class TpEngine:
     @property
     def broken(self) -> str | None:
         """Why the engine is broken (a rank died or faulted), or ``None``. A rank
-        process that has exited breaks it now, not at the next call, so an idle
-        node's health check says so (its sentinel is polled: no process is reaped)."""
-        if self._broken is None and self._procs:
-            dead = wait([p.sentinel for p in self._procs], timeout=0)
-            if dead:
-                rank = next(r for r, p in enumerate(self._procs) if p.sentinel in dead)
-                self._break(f"tensor-parallel rank {rank} exited")
+        that exited while the engine was idle breaks it here, when it is asked
+        (``GET /health``), not only at the next call; one log line says so (a
+        call that fails on it has its own)."""
+        if self._broken is None:
+            for rank, p in enumerate(self._procs):
+                if p.exitcode is not None:
+                    self._break(f"tensor-parallel rank {rank} exited")
+                    log.error("tensor-parallel rank %d exited (exit code %s); the node must be restarted",
+                              rank, p.exitcode)
+                    break
         return self._broken
 
     def _break(self, why: str) -> BitexactError:

@@ -226,6 +226,7 @@ def test_keygen_twice_keeps_the_first_key(tmp_path):
     ("pass_empty", ["--out", "KEY.pem", "--passphrase-file", "empty.txt"]),
     ("pass_long", ["--out", "KEY.pem", "--passphrase-file", "long.txt"]),
     (None, ["--out", "KEY.pem", "--passphrase-file", ""]),   # names no file: not a key in the clear
+    (None, ["--out", ""]),                                   # names no file, as --attestation '' and --data-dir ''
 ])
 def test_keygen_errors_write_nothing(tmp_path, setup, args):
     if setup == "pass_empty":
@@ -233,8 +234,10 @@ def test_keygen_errors_write_nothing(tmp_path, setup, args):
     if setup == "pass_long":
         write(tmp_path / "long.txt", b"x" * 1024)
     before = listing(tmp_path)
-    assert_input_error(bx(tmp_path, "keygen", *args))
+    msg = assert_input_error(bx(tmp_path, "keygen", *args))
     assert listing(tmp_path) == before
+    if args == ["--out", ""]:
+        assert msg.endswith("--out must not be empty")
 
 
 def test_env_passphrase_is_the_environment_bytes(tmp_path):
@@ -476,6 +479,21 @@ def test_run_refuses_to_replace_what_is_not_a_plain_output_file(enc_key, tmp_pat
     assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode) and open(key, "rb").read() == data
     assert kept is None or open(path, "rb").read() == kept
     assert listing(cwd) == []
+
+
+def test_run_refuses_to_replace_the_default_model_by_that_name(art, tmp_path, cwd):
+    """Without --model the refusal names the default model, not a flag the user never
+    gave. The target is a hard link to the installed file in a scratch folder, so that
+    even a broken refusal would only replace the link, never the installed model."""
+    from node.gguf_model import default_model_path
+    link = str(tmp_path / "model-link.gguf")
+    try:
+        os.link(default_model_path(), link)
+    except OSError as e:
+        pytest.skip(f"cannot hard-link the default model here: {e.strerror}")
+    p = bx(cwd, "run", "--key", art.key, "--prompt", "hi", "--attestation", link, "--device", "cpu")
+    assert assert_input_error(p).endswith(f"refusing to replace {link}: it is the default model file")
+    assert os.path.samefile(link, default_model_path()) and listing(cwd) == []
 
 
 @pytest.mark.parametrize("sigs", [["SIGINT"], ["SIGTERM"], ["SIGTERM", "SIGTERM"], ["SIGINT", "SIGTERM", "SIGINT"]])

@@ -1059,11 +1059,17 @@ def test_serve_with_tp_rank_processes_gives_the_solo_digests(key, tmp_path, solo
         run_concurrently(d, solo, mixed(6) + [("chat", "Say hi.", 3, 0.8, 5, True)])
         ranks = [p for p in kids if b"resource_tracker" not in open(f"/proc/{p}/cmdline", "rb").read()]
         os.kill(int(ranks[-1]), signal.SIGKILL)                            # a rank dies: the node says so
+        end, health = time.time() + 20, None
+        while time.time() < end:                   # at once, while idle: no request has to fail on it first
+            try:
+                d.get("/health").close()
+            except urllib.error.HTTPError as e:
+                health = (e.code, json.loads(e.read()))
+                break
+            time.sleep(0.1)
+        assert health is not None and health[0] == 503 and health[1]["status"] == "broken", health
         code, err = d.post_raw("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 1}).encode())
         assert code == 500 and "restarted" in err["error"]["message"], err
-        with pytest.raises(urllib.error.HTTPError) as e:
-            d.get("/health")
-        assert e.value.code == 503 and json.loads(e.value.read())["status"] == "broken"
     finally:
         assert d.stop() == 0
     assert "tensor parallel: 2 rank processes" in d.proc.stdout.read()

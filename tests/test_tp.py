@@ -383,6 +383,29 @@ def test_a_request_error_on_one_rank_only_stops_the_others(tmp_path, monkeypatch
         eng.close()
 
 
+def test_a_rank_that_dies_while_idle_breaks_the_engine_when_asked(tmp_path, caplog):
+    """A rank killed between calls: ``broken`` says so at once (the daemon's
+    ``GET /health`` is 503 before any request has to fail on it), with one log
+    line, and the next call says the engine must be restarted."""
+    from node.errors import BitexactError
+    from node.tp_runtime import TpEngine
+    model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, "Q8_0", seed=7))
+    eng = TpEngine(model, 2, n_ctx=256)
+    try:
+        seq = eng.new_sequence()
+        assert eng.broken is None
+        eng._procs[1].kill()
+        eng._procs[1].join()
+        assert eng.broken == "tensor-parallel rank 1 exited" and eng.broken == "tensor-parallel rank 1 exited"
+        lines = [r.getMessage() for r in caplog.records if r.name == "bitexact.tp"]
+        assert len(lines) == 1 and lines[0].startswith("tensor-parallel rank 1 exited (exit code -9)"), lines
+        with pytest.raises(BitexactError, match="must be restarted"):
+            eng.length(seq)
+    finally:
+        eng.close()
+    assert not any(p.is_alive() for p in eng._procs)
+
+
 def test_tp_engine_misuse_is_a_request_error_and_leaves_it_usable(tmp_path):
     """Every rank raises the same RequestError for a call the caller got wrong
     (unknown sequence, bad fork length, bad token ids, ...), so the
@@ -509,25 +532,3 @@ def test_tp_ranks_stop_quietly_when_the_parent_is_killed_mid_step(tmp_path):
     assert not any(os.path.exists(f"/proc/{p}") for p in pids), "the ranks outlived their parent"
     assert time.monotonic() - t1 < step_s / 2, (time.monotonic() - t1, step_s)   # not the rest of the step
     assert "Traceback" not in err.read_text(), err.read_text()
-
-
-def test_an_idle_tp_engine_whose_rank_died_is_broken_before_any_call(tmp_path):
-    """A rank process killed while no call runs: ``broken`` says so at once (the
-    daemon's /health answers 503, as documented), not only after the next
-    request has failed with a 500; the next call then refuses at once."""
-    import os
-    import signal
-
-    from node.errors import BitexactError
-    from node.tp_runtime import TpEngine
-    model = load_model(write_model(str(tmp_path / "m.gguf"), SHAPE, "Q8_0", seed=7))
-    eng = TpEngine(model, 2, n_ctx=64)
-    try:
-        assert eng.broken is None
-        os.kill(eng._procs[1].pid, signal.SIGKILL)
-        eng._procs[1].join(10)
-        assert eng.broken and "rank 1 exited" in eng.broken
-        with pytest.raises(BitexactError, match="must be restarted"):
-            eng.new_sequence()
-    finally:
-        eng.close()
