@@ -123,6 +123,19 @@ def _not_json(name: str):
     raise ValueError(f"{name} is not a JSON number (RFC 8259 section 6)")
 
 
+def _unique_keys(pairs: list) -> dict:
+    """``json.loads``' object hook: a name given twice in one object is refused.
+    RFC 8259 section 4 leaves such an object's meaning to the parser (some take
+    the first value, Python the last), so a proxy that checked one value could
+    pass the node a request it runs with the other."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"the name {dup!r} appears twice in one object (RFC 8259 section 4)")
+    return obj
+
+
 def too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than {limit} bytes")
 
@@ -405,8 +418,8 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         return coding
 
     async def read_json(request):
-        """The body as JSON: UTF-8 (RFC 8259 section 8.1), its framing and coding as
-        :func:`body_coding` accepts them."""
+        """The body as JSON: UTF-8 (RFC 8259 section 8.1), no name twice in an
+        object, its framing and coding as :func:`body_coding` accepts them."""
         coding = body_coding(request)   # before reading it
         try:
             raw = await asyncio.wait_for(request.read(), body_timeout_s)
@@ -419,7 +432,7 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         if coding in CODINGS:
             raw = decode_body(raw, coding, max_body_bytes)
         try:
-            return json.loads(raw.decode("utf-8"), parse_constant=_not_json)
+            return json.loads(raw.decode("utf-8"), parse_constant=_not_json, object_pairs_hook=_unique_keys)
         except (ValueError, RecursionError) as e:   # bad JSON, not UTF-8, too deep, too long an integer
             raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
 

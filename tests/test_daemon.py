@@ -247,6 +247,8 @@ def test_attestation_endpoint_and_verify(daemon, key, tmp_path):
     (b'{"prompt": "\\ud800", "max_tokens": 1}', 400, "prompt"),                      # lone surrogate
     (json.dumps({"prompt": "hi", "stop": "\ud800"}).encode(), 400, "stop"),
     (b"[" * 100000 + b"]" * 100000, 400, None),                                      # too deep for the parser
+    (b'{"prompt": "hi", "max_tokens": 1, "max_tokens": 900000}', 400, None),          # a name twice
+    (b'{"prompt": "hi", "stream_options": {"a": 1, "a": 2}}', 400, None),             # ... in any object
     (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),           # integer too long to parse
     (json.dumps({"prompt": "hi", "max_completion_tokens": 2}).encode(), 400, "max_completion_tokens"),
     (json.dumps({"prompt": "hi", "logprobs": 5}).encode(), 400, "logprobs"),
