@@ -34,7 +34,8 @@ class Request:
         """Every check that needs no tokenizer or model; raises :class:`RequestError`
         for both or neither of prompt and messages, an empty or non-UTF-8 prompt,
         bad chat messages, ``max_tokens`` outside [1, 2**31), bad sampling
-        parameters, or more than MAX_STOP_STRINGS stop strings or a bad one. :func:`build_request` runs it first."""
+        parameters, more than :data:`MAX_STOP_STRINGS` stop strings or a bad
+        one. :func:`build_request` runs it first."""
         if (self.prompt is None) == (self.messages is None):
             raise RequestError("give exactly one of a prompt or chat messages")
         if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens < 2 ** 31:
