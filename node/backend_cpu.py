@@ -17,7 +17,7 @@ import numpy as np
 
 from . import reference as ref
 from .errors import BitexactError
-from .gguf_model import FLOAT_TYPES, Model, Tensor, decode_blocks, dequantize_rows, float_values
+from .gguf_model import BLOCK_BYTES, FLOAT_TYPES, Model, Tensor, decode_blocks, dequantize_rows, float_values
 
 F32 = np.float32
 CACHE_ENV = "BITEXACT_CPU_WEIGHT_CACHE_MB"
@@ -49,12 +49,23 @@ def decoded_bytes(t: Tensor) -> int:
     return 4 * t.rows * t.cols + (0 if t.qtype in FLOAT_TYPES else 8 * t.rows * (t.cols // ref.QK))
 
 
-def decode_rows(t: Tensor, a: int, b: int):
-    """Rows ``[a, b)`` of matrix ``t`` as the reference products take them:
-    fp32 ``[b - a, K]`` (float types) or a :class:`node.reference.RefQuantWeight`."""
+def decode_rows(t: Tensor, a: int, b: int, k0: int = 0, k1: int | None = None):
+    """Rows ``[a, b)`` of matrix ``t``, and of them the K range ``[k0, k1)``
+    (elements, whole 32-element blocks for a quantized type; default all of K),
+    as the reference products take them: fp32 ``[b - a, k1 - k0]`` (float types)
+    or a :class:`node.reference.RefQuantWeight`. Only the bytes of that range
+    are decoded (for a K-quant, the super-blocks holding it), with the values
+    decoding the whole matrix gives: each block decodes alone."""
+    k1 = t.cols if k1 is None else k1
     if t.qtype in FLOAT_TYPES:
-        return float_values(Tensor(t.name, t.qtype, b - a, t.cols, t.raw[a:b]))
-    return ref.RefQuantWeight(*decode_blocks(t.qtype, t.raw[a:b]))
+        es = t.raw.shape[1] // t.cols   # bytes per element
+        return float_values(Tensor(t.name, t.qtype, b - a, k1 - k0, t.raw[a:b, k0 * es:k1 * es]))
+    bb, be = BLOCK_BYTES[t.qtype]       # bytes and elements of one encoding block
+    s0, s1 = k0 // be, -(-k1 // be)
+    w = ref.RefQuantWeight(*decode_blocks(t.qtype, t.raw[a:b, s0 * bb:s1 * bb]))
+    if (s0 * be, s1 * be) != (k0, k1):   # part of a K-quant super-block: its 32-element blocks
+        w = w.part(blocks=slice((k0 - s0 * be) // ref.QK, (k1 - s0 * be) // ref.QK)).copy()
+    return w
 
 
 class CpuBackend:

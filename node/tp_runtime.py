@@ -30,10 +30,11 @@ from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 
+from .backend_cpu import decode_rows
 from .engine import Engine, default_n_ctx, draw_rows
 from .errors import BitexactError, ModelError, RequestError
 from .gguf_model import Model, load_model
-from .tp import ShardPlan, TpCpuBackend, check_degree
+from .tp import ROW_PARALLEL, ShardPlan, TpCpuBackend, check_degree
 
 log = logging.getLogger("bitexact.tp")
 
@@ -122,12 +123,12 @@ class ShmAllGather:
 class RankBackend(TpCpuBackend):
     """The numpy backend of one rank: its own pieces, the others' by all-gather.
 
-    It keeps only its own shard of each matrix (decoded once, copied out of
-    the whole decoded matrix, which is then dropped), so a rank's weights
-    take about ``1/tp`` of the model's decoded size. The shards count against
-    the CPU weight budget (:func:`node.backend_cpu.weight_cache_bytes`), split
-    evenly between the ranks: a shard beyond the rank's share is cut again from
-    the matrix decoded at every use. Column-parallel products
+    It decodes only its own shard of each matrix (its rows, or its K range,
+    from the file's bytes: :func:`node.backend_cpu.decode_rows`), so a rank's
+    weights take about ``1/tp`` of the model's decoded size. The shards count
+    against the CPU weight budget (:func:`node.backend_cpu.weight_cache_bytes`),
+    split evenly between the ranks: a shard beyond the rank's share is decoded
+    again at every use. Column-parallel products
     stay local (:class:`node.tp.ShardPlan`): attention runs over the rank's
     ``attn_heads`` with a KV cache of its own KV heads, the SiLU gate over its
     FFN features, and a row-parallel product reads the rank's own activations
@@ -146,14 +147,14 @@ class RankBackend(TpCpuBackend):
         return self.plan.kv_heads(self.rank)
 
     def _shard(self, name, r):
-        """This rank's part of ``name``: kept (a copy) while the budget allows, its bytes
-        counted against it; beyond it, cut from the matrix decoded again."""
+        """This rank's part of ``name`` (ndarray or RefQuantWeight), decoded alone: kept
+        while the budget allows, its bytes counted against it; beyond it, decoded again."""
         w = self._own.get(name)
         if w is None:
-            w = super()._shard(name, r)                        # ndarray or RefQuantWeight
-            self._forget(name)
-            if w.nbytes <= self._cache_left:                   # the bytes of the copy kept
-                w = self._own[name] = w.copy()
+            t, (a, b) = self.model.tensors[name], self.plan.spans(name)[r]
+            w = decode_rows(t, 0, t.rows, a, b) if name.endswith(ROW_PARALLEL) else decode_rows(t, a, b)
+            if w.nbytes <= self._cache_left:
+                self._own[name] = w
                 self._cache_left -= w.nbytes
         return w
 

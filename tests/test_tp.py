@@ -12,9 +12,9 @@ from node import reference as ref
 from planted import misuse_cases
 from node.engine import Engine
 from node.errors import ModelError
-from node.gguf_model import default_model_path, load_model
+from node.gguf_model import BLOCK_BYTES, FLOAT_TYPES, default_model_path, load_model
 from node.synth import write_model
-from node.tp import ShardPlan, TpCpuBackend, k_shards
+from node.tp import ROW_PARALLEL, ShardPlan, TpCpuBackend, k_shards
 
 F32 = np.float32
 SHAPE = (512, 2, 8, 4, 1024, 300)     # n_embd, layers, heads, KV heads, FFN, vocab: 8 heads split over 8 ranks
@@ -175,6 +175,54 @@ def test_a_ranks_shards_count_against_the_cpu_weight_budget(tmp_path, monkeypatc
             assert (kept > 0) == (mb != "0"), (mb, rank)
     assert len(set(out[mb, 0] for mb in (None, "0", "1"))) == 1
     assert len(set(out[mb, 1] for mb in (None, "0", "1"))) == 1
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_a_rank_decodes_only_its_shard_with_the_whole_matrix_s_bytes(tmp_path, monkeypatch, qtype):
+    """A rank process decodes its rows or its K range from the file's bytes alone
+    (a K-quant's K shard can end inside a super-block): each shard equals the same
+    part of the matrix decoded whole, at every degree, and no whole matrix is decoded."""
+    import node.backend_cpu as bc
+    from node.tp_runtime import RankBackend
+    decoded = []   # bytes of the file each decoding read
+
+    def spy(f):
+        return lambda *a: decoded.append(a[-1].raw.nbytes if hasattr(a[-1], "raw") else a[-1].nbytes) or f(*a)
+    shape = (512, 1, 8, 4, 1536, 64)      # K = 512 and 1 536: K-quant super-blocks split at TP 4 and 8
+    model = load_model(write_model(str(tmp_path / "m.gguf"), shape, qtype, seed=5))
+    for tp in (2, 4, 8):
+        whole, split = TpCpuBackend(model, tp), 0   # cuts its shards from whole decoded matrices
+        for rank in range(tp):
+            be = RankBackend(model, tp, rank, gather=None)
+            for name in ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.attn_output.weight",
+                         "blk.0.ffn_down.weight"):
+                a, b = be.plan.spans(name)[rank]
+                if a == b:
+                    continue
+                t = model.tensors[name]
+                with monkeypatch.context() as m:
+                    m.setattr(bc, "decode_blocks", spy(bc.decode_blocks))
+                    m.setattr(bc, "float_values", spy(bc.float_values))
+                    decoded.clear()
+                    be._shard(name, rank)
+                if not name.endswith(ROW_PARALLEL):
+                    part = (b - a) * t.raw.shape[1]                          # its rows
+                elif qtype in FLOAT_TYPES:
+                    part = t.rows * (b - a) * (t.raw.shape[1] // t.cols)     # its K range
+                else:
+                    bb, be_ = BLOCK_BYTES[qtype]                             # the encoding blocks holding it
+                    part = t.rows * (-(-b // be_) - a // be_) * bb
+                assert decoded == [part], (tp, name, decoded, part)
+                split += qtype in ("Q4_K", "Q6_K") and t.cols % 256 == 0 and name.endswith(ROW_PARALLEL) \
+                    and (a % 256 or b % 256)
+                got, want = be._shard(name, rank), whole._shard(name, rank)
+                for g, w in ([(got, want)] if isinstance(got, np.ndarray) else
+                             [(got.codes, want.codes), (got.scale, want.scale), (got.offset, want.offset)]):
+                    assert (g is None) == (w is None) and (g is None or (g.shape == w.shape and g.dtype == w.dtype
+                                                                        and g.tobytes() == w.tobytes())), (tp, name)
+            assert not [n for n in be._weights if model.tensors[n].rows > 1], "a whole matrix was decoded"
+        if qtype in ("Q4_K", "Q6_K") and tp == 8:
+            assert split, "no shard ended inside a super-block"
 
 
 def test_tp_refuses_a_degree_that_splits_a_head(tmp_path):
