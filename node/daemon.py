@@ -14,6 +14,7 @@ import errno
 import hashlib
 import json
 import logging
+import re
 import sqlite3
 import sys
 import time
@@ -180,6 +181,42 @@ def _field(body: dict, name: str, types, default=None, what=""):
         except OverflowError:
             raise ApiError(400, f"'{name}' is too large for a float", param=name) from None
     return v
+
+
+_QVALUE = re.compile(r"0(\.[0-9]{0,3})?|1(\.0{0,3})?")   # RFC 9110 section 12.4.2
+
+
+def _accept_q(accept: str, media: str) -> float:
+    """The weight ``Accept`` gives the media type ``media`` (RFC 9110 section 12.5.1):
+    the q of the most specific range naming it (``type/subtype``, then ``type/*``,
+    then ``*/*``; 1 without ``q``), 0 when none does. Types and parameter names are
+    case-insensitive; a range with a malformed q is left out."""
+    typ = media.split("/")[0]
+    best = (-1, 0.0)   # (specificity, q)
+    for rng in accept.split(","):
+        name, *params = (part.strip(" \t") for part in rng.split(";"))
+        name, q = name.lower(), 1.0
+        for prm in params:
+            k, _, v = prm.partition("=")
+            if k.strip(" \t").lower() == "q":
+                v = v.strip(" \t")
+                q = float(v) if _QVALUE.fullmatch(v) else None
+                break
+        rank = {media: 2, f"{typ}/*": 1, "*/*": 0}.get(name)
+        if q is not None and rank is not None and rank > best[0]:
+            best = (rank, q)
+    return best[1]
+
+
+def wants_json(accept: str) -> bool:
+    """Whether an attestation is to be served as JSON for the ``Accept`` header
+    ``accept``: when it names ``application/json`` itself, with a weight above 0 and
+    not below that of ``application/msgpack`` (the ``.bxa`` file); any other header,
+    ``*/*`` included, gets the file."""
+    if not any(r.split(";")[0].strip(" \t").lower() == "application/json" for r in accept.split(",")):
+        return False
+    q = _accept_q(accept, "application/json")
+    return q > 0 and q >= _accept_q(accept, "application/msgpack")
 
 
 class Node:
@@ -539,7 +576,7 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         if found is None:
             return ApiError(404, "no such attestation", code="not_found").response()
         blob, payload = found
-        if "application/json" in request.headers.get("Accept", ""):
+        if wants_json(", ".join(request.headers.getall("Accept", []))):   # every header line
             env = canonical.decode(blob)
             try:   # RFC 8259 has no NaN or infinity; the node never signs one, a planted row might
                 body = json.dumps({"format": env[0], "format_version": env[1], "payload": canonical.plain(payload),

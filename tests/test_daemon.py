@@ -607,6 +607,59 @@ def test_a_stored_attestation_not_signed_by_the_node_or_not_json_is_a_500(key, t
     assert sum("not by the trusted key" in ln for ln in lines) == 2 and "cannot be served as JSON" in lines[2]
 
 
+ACCEPT_FORMS = [  # (Accept header, served as JSON)
+    ("application/json", True),
+    ("Application/JSON", True),                                  # media types are case-insensitive
+    ("text/html, application/json;q=0.9, */*;q=0.8", True),
+    ("application/json, application/msgpack", True),             # a tie: JSON, as named
+    ("application/json;q=0", False),                             # q=0: not acceptable
+    ("application/json;q=0.5, application/msgpack", False),     # the file is preferred
+    ("application/json;Q=0.000", False),
+    ("application/json-seq", False),                             # another type that starts alike
+    ("application/jsonx, */*", False),
+    ("*/*", False),
+    ("", False),
+]
+
+
+def test_the_attestation_form_follows_the_accept_header(key, tmp_path):
+    """GET /v1/attestations/{id} gives JSON only to an Accept header that names
+    application/json (in any case) with a weight above 0 and not below that of
+    application/msgpack (RFC 9110 section 12.5.1); else the .bxa file."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from node.daemon import make_app
+
+    node = in_process(key, tmp_path)
+    req = Request(prompt="Hi", max_tokens=1)
+    att = node.attest(generate(node.engine, node.tok, build_request(req, node.tok, node.engine.n_ctx)))
+
+    async def main():
+        runner = web.AppRunner(make_app(node))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/attestations/{att['id']}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                got = []
+                for accept, _ in ACCEPT_FORMS:
+                    async with http.get(url, headers={"Accept": accept}) as r:
+                        got.append((r.status, r.content_type, await r.read()))
+                return got
+        finally:
+            await runner.cleanup()
+    for (accept, as_json), (status, ctype, body) in zip(ACCEPT_FORMS, asyncio.run(main())):
+        assert status == 200, accept
+        if as_json:
+            assert ctype == "application/json" and json.loads(body)["signature"] == att["signature"], accept
+        else:
+            assert ctype == "application/msgpack" and hashlib.sha256(body).hexdigest() == att["id"], accept
+
+
 def test_malformed_http_gets_aiohttp_plain_text_400_and_node_keeps_serving(key, tmp_path):
     """aiohttp's parser answers these before any handler runs, in plain text (aiohttp has
     no public hook to make it JSON; README says so); it closes the connection, the node
