@@ -14,7 +14,6 @@ import errno
 import hashlib
 import json
 import logging
-import re
 import sqlite3
 import sys
 import time
@@ -25,6 +24,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from werkzeug.datastructures import MIMEAccept
+from werkzeug.http import parse_accept_header
 
 from attest import canonical, keys
 from attest.digest import CONTRACT_VERSION
@@ -183,40 +184,16 @@ def _field(body: dict, name: str, types, default=None, what=""):
     return v
 
 
-_QVALUE = re.compile(r"0(\.[0-9]{0,3})?|1(\.0{0,3})?")   # RFC 9110 section 12.4.2
-
-
-def _accept_q(accept: str, media: str) -> float:
-    """The weight ``Accept`` gives the media type ``media`` (RFC 9110 section 12.5.1):
-    the q of the most specific range naming it (``type/subtype``, then ``type/*``,
-    then ``*/*``; 1 without ``q``), 0 when none does. Types and parameter names are
-    case-insensitive; a range with a malformed q is left out."""
-    typ = media.split("/")[0]
-    best = (-1, 0.0)   # (specificity, q)
-    for rng in accept.split(","):
-        name, *params = (part.strip(" \t") for part in rng.split(";"))
-        name, q = name.lower(), 1.0
-        for prm in params:
-            k, _, v = prm.partition("=")
-            if k.strip(" \t").lower() == "q":
-                v = v.strip(" \t")
-                q = float(v) if _QVALUE.fullmatch(v) else None
-                break
-        rank = {media: 2, f"{typ}/*": 1, "*/*": 0}.get(name)
-        if q is not None and rank is not None and rank > best[0]:
-            best = (rank, q)
-    return best[1]
+ATTESTATION_TYPES = ("application/msgpack", "application/json")   # the .bxa file first: a tie gets it
 
 
 def wants_json(accept: str) -> bool:
     """Whether an attestation is to be served as JSON for the ``Accept`` header
-    ``accept``: when it names ``application/json`` itself, with a weight above 0 and
-    not below that of ``application/msgpack`` (the ``.bxa`` file); any other header,
-    ``*/*`` included, gets the file."""
-    if not any(r.split(";")[0].strip(" \t").lower() == "application/json" for r in accept.split(",")):
-        return False
-    q = _accept_q(accept, "application/json")
-    return q > 0 and q >= _accept_q(accept, "application/msgpack")
+    ``accept``: when its best match among :data:`ATTESTATION_TYPES` is
+    ``application/json`` (RFC 9110 section 12.5.1 as werkzeug reads it: types in
+    any case, weights, an exact type before ``type/*`` before ``*/*``). No header,
+    ``*/*``, ``application/json;q=0`` or a tie with ``application/msgpack`` gets the file."""
+    return parse_accept_header(accept, MIMEAccept).best_match(ATTESTATION_TYPES) == "application/json"
 
 
 class Node:

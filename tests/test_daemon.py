@@ -611,7 +611,8 @@ ACCEPT_FORMS = [  # (Accept header, served as JSON)
     ("application/json", True),
     ("Application/JSON", True),                                  # media types are case-insensitive
     ("text/html, application/json;q=0.9, */*;q=0.8", True),
-    ("application/json, application/msgpack", True),             # a tie: JSON, as named
+    ("application/json, application/msgpack", False),            # a tie: the file, the node's preference
+    ("application/json, text/plain, */*", True),                 # an exact type before */*
     ("application/json;q=0", False),                             # q=0: not acceptable
     ("application/json;q=0.5, application/msgpack", False),     # the file is preferred
     ("application/json;Q=0.000", False),
@@ -623,9 +624,9 @@ ACCEPT_FORMS = [  # (Accept header, served as JSON)
 
 
 def test_the_attestation_form_follows_the_accept_header(key, tmp_path):
-    """GET /v1/attestations/{id} gives JSON only to an Accept header that names
-    application/json (in any case) with a weight above 0 and not below that of
-    application/msgpack (RFC 9110 section 12.5.1); else the .bxa file."""
+    """GET /v1/attestations/{id} gives JSON only to an Accept header whose best match
+    is application/json (in any case; RFC 9110 section 12.5.1): above 0, above
+    application/msgpack or more specific than the range that matches it; else the .bxa file."""
     import asyncio
 
     import aiohttp
