@@ -26,11 +26,11 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = Tr
     a rename cannot be undone, so with ``overwrite=True`` the new file stays.
     """
     folder = os.path.dirname(resolved_path(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    linked = False
-    try:
-        os.fchmod(fd, mode)
+    tmp, linked = None, False
+    try:   # the temp file's name is known to the cleanup from the moment it exists
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -50,5 +50,5 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = Tr
             os.unlink(path)
         raise
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
