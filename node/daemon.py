@@ -138,6 +138,20 @@ def _unique_keys(pairs: list) -> dict:
     return obj
 
 
+def deliver_to(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
+    """A job's ``on_event`` (called from the engine worker thread): puts ``(kind,
+    value)`` on ``events`` in ``loop``. Once the loop has closed (shutdown left a
+    stuck step behind, node/scheduler.py ``stop``) nobody waits for the event: it is
+    dropped, so the worker thread does not die on the closed loop's RuntimeError."""
+    def on_event(kind: str, value) -> None:
+        if not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+            except RuntimeError:   # it closed in between
+                pass
+    return on_event
+
+
 def too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than {limit} bytes")
 
@@ -460,7 +474,7 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
                 raise ApiError(500, f"{node.engine.broken}; the tensor-parallel engine must be restarted",
                                "server_error")
             events: asyncio.Queue = asyncio.Queue()
-            job = node.scheduler.submit(record, lambda k, v: loop.call_soon_threadsafe(events.put_nowait, (k, v)))
+            job = node.scheduler.submit(record, deliver_to(loop, events))
         except ApiError as e:
             node.m_requests.labels("rejected").inc()
             return e.response()

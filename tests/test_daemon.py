@@ -1133,3 +1133,20 @@ def test_serve_with_tp_rank_processes_gives_the_solo_digests(key, tmp_path, solo
     while time.time() < end and any(os.path.exists(f"/proc/{pid}") for pid in kids):
         time.sleep(0.2)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in kids), "rank processes outlived the daemon"
+
+
+def test_an_event_for_a_closed_loop_is_dropped():
+    """A step the shutdown left behind finishes after the event loop closed: its
+    events are dropped, not a RuntimeError that kills the engine worker thread."""
+    import asyncio
+
+    from node.daemon import deliver_to
+    loop = asyncio.new_event_loop()
+    events = asyncio.Queue()
+    on_event = deliver_to(loop, events)
+    on_event("token", 1)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert events.get_nowait() == ("token", 1)
+    loop.close()
+    on_event("done", 2)   # no RuntimeError
+    assert events.empty()
