@@ -6,6 +6,7 @@ runs the same tests against the CUDA engine. Solo digests always come from the
 CPU reference engine."""
 
 import concurrent.futures
+import contextlib
 import gzip
 import hashlib
 import json
@@ -630,29 +631,18 @@ def test_the_attestation_form_follows_the_accept_header(key, tmp_path):
     import asyncio
 
     import aiohttp
-    from aiohttp import web
-
-    from node.daemon import make_app
 
     node = in_process(key, tmp_path)
     req = Request(prompt="Hi", max_tokens=1)
     att = node.attest(generate(node.engine, node.tok, build_request(req, node.tok, node.engine.n_ctx)))
 
     async def main():
-        runner = web.AppRunner(make_app(node))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/attestations/{att['id']}"
-        try:
-            async with aiohttp.ClientSession() as http:
-                got = []
-                for accept, _ in ACCEPT_FORMS:
-                    async with http.get(url, headers={"Accept": accept}) as r:
-                        got.append((r.status, r.content_type, await r.read()))
-                return got
-        finally:
-            await runner.cleanup()
+        async with app_on_loopback(node) as (_, base), aiohttp.ClientSession() as http:
+            got = []
+            for accept, _ in ACCEPT_FORMS:
+                async with http.get(f"{base}/v1/attestations/{att['id']}", headers={"Accept": accept}) as r:
+                    got.append((r.status, r.content_type, await r.read()))
+            return got
     for (accept, as_json), (status, ctype, body) in zip(ACCEPT_FORMS, asyncio.run(main())):
         assert status == 200, accept
         if as_json:
@@ -963,21 +953,13 @@ def serve_in_process(node, bodies, before_cleanup=None, **app_kw):
     import asyncio
 
     import aiohttp
-    from aiohttp import web
-
-    from node.daemon import make_app
 
     async def main():
-        runner = web.AppRunner(make_app(node, **app_kw), handler_cancellation=True, shutdown_timeout=10)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/completions"
-        try:
+        async with app_on_loopback(node, **app_kw) as (runner, base):
             async with aiohttp.ClientSession() as http:
                 async def post(body):
                     try:
-                        async with http.post(url, json=body) as r:
+                        async with http.post(base + "/v1/completions", json=body) as r:
                             return r.status, await r.read()
                     except aiohttp.ClientError as e:
                         return None, repr(e)
@@ -986,9 +968,24 @@ def serve_in_process(node, bodies, before_cleanup=None, **app_kw):
                     await before_cleanup(node)
                     await runner.cleanup()
                 return await asyncio.gather(*tasks)
-        finally:
-            await runner.cleanup()
     return asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def app_on_loopback(node, **app_kw):
+    """``node``'s aiohttp app served on a free loopback port, as ``serve`` runs it
+    (handler cancellation); yields ``(runner, base URL)`` and cleans the runner up."""
+    from aiohttp import web
+
+    from node.daemon import make_app
+    runner = web.AppRunner(make_app(node, **app_kw), handler_cancellation=True, shutdown_timeout=10)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
 
 
 def test_requests_past_the_drain_timeout_end_with_a_503(key, tmp_path, caplog):
