@@ -198,16 +198,19 @@ def _field(body: dict, name: str, types, default=None, what=""):
     return v
 
 
-ATTESTATION_TYPES = ("application/msgpack", "application/json")   # the .bxa file first: a tie gets it
+# The .bxa file first (a tie gets it), then the JSON form, also as its Content-Type names it
+# (werkzeug matches a range with parameters only to a type with the same ones).
+ATTESTATION_TYPES = ("application/msgpack", "application/json", "application/json; charset=utf-8")
 
 
 def wants_json(accept: str) -> bool:
     """Whether an attestation is to be served as JSON for the ``Accept`` header
     ``accept``: when its best match among :data:`ATTESTATION_TYPES` is
-    ``application/json`` (RFC 9110 section 12.5.1 as werkzeug reads it: types in
-    any case, weights, an exact type before ``type/*`` before ``*/*``). No header,
-    ``*/*``, ``application/json;q=0`` or a tie with ``application/msgpack`` gets the file."""
-    return parse_accept_header(accept, MIMEAccept).best_match(ATTESTATION_TYPES) == "application/json"
+    ``application/json``, with no parameter or ``charset=utf-8`` (RFC 9110
+    section 12.5.1 as werkzeug reads it: types in any case, weights, an exact
+    type before ``type/*`` before ``*/*``). No header, ``*/*``,
+    ``application/json;q=0`` or a tie with ``application/msgpack`` gets the file."""
+    return parse_accept_header(accept, MIMEAccept).best_match(ATTESTATION_TYPES) in ATTESTATION_TYPES[1:]
 
 
 class Node:

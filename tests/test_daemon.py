@@ -617,6 +617,9 @@ ACCEPT_FORMS = [  # (Accept header, served as JSON)
     ("application/json;q=0", False),                             # q=0: not acceptable
     ("application/json;q=0.5, application/msgpack", False),     # the file is preferred
     ("application/json;Q=0.000", False),
+    ("application/json; charset=utf-8", True),                   # the JSON form's own Content-Type
+    ("application/json;charset=UTF-8;q=0.9, application/msgpack;q=0.5", True),
+    ("application/json;charset=latin-1", False),                 # a charset the JSON form is not in
     ("application/json-seq", False),                             # another type that starts alike
     ("application/jsonx, */*", False),
     ("*/*", False),
