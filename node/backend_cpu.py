@@ -108,11 +108,6 @@ class CpuBackend:
             w = decode_rows(t, 0, t.rows)
         return w
 
-    def _forget(self, name: str) -> None:
-        """Drop matrix ``name`` from the cache, returning its bytes to the budget."""
-        if self._weights.pop(name, None) is not None:
-            self._cache_left += decoded_bytes(self.model.tensors[name])
-
     def vector(self, name: str) -> np.ndarray:
         """fp32 ``[K]`` values of a 1-D float tensor (norm weights, RoPE factors), decoded once."""
         v = self._weights.get(name)
