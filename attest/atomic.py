@@ -27,7 +27,7 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = Tr
     """
     folder = os.path.dirname(resolved_path(path))
     tmp, linked = None, False
-    try:   # the temp file's name is known to the cleanup from the moment it exists
+    try:   # the cleanup knows the temp file once mkstemp returns (an interrupt inside it can still leave one)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), mode)

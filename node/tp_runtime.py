@@ -293,6 +293,7 @@ class TpEngine:
             raise BitexactError(f"unknown device {device!r} (expected cpu or cuda)")
         self.model, self.hp, self.tp, self.device = model, model.hparams, tp, device
         self._broken: str | None = None
+        self._closing = False   # close() stops the ranks: their exits are not deaths
         self._shm, self._flag, self._out = None, None, None
         self._conns, self._procs = [], []
         ctx = mp.get_context("spawn")
@@ -329,7 +330,7 @@ class TpEngine:
         that exited while the engine was idle breaks it here, when it is asked
         (``GET /health``), not only at the next call; one log line says so (a
         call that fails on it has its own)."""
-        if self._broken is None:
+        if self._broken is None and not self._closing:
             for rank, p in enumerate(self._procs):
                 if p.exitcode is not None:
                     self._break(f"tensor-parallel rank {rank} exited")
@@ -476,6 +477,7 @@ class TpEngine:
 
     def close(self) -> None:
         """Stop the rank processes and free the shared memory (idempotent)."""
+        self._closing = True
         if self._broken:
             self._abort_ranks()
         for conn, p in zip(self._conns, self._procs):

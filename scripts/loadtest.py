@@ -114,16 +114,20 @@ def start_daemon(args) -> tuple[subprocess.Popen, str]:
                             preexec_fn=_stop_with_parent)
     url = f"http://127.0.0.1:{port}"
     end = time.time() + 180
-    while time.time() < end:
-        if proc.poll() is not None:
-            fail(f"the daemon exited: {proc.stderr.read().strip()}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            return proc, url
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    fail("the daemon did not start within 180 s")
+    try:
+        while time.time() < end:
+            if proc.poll() is not None:
+                fail(f"the daemon exited: {proc.stderr.read().strip()}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                return proc, url
+            except OSError:
+                time.sleep(0.3)
+        fail("the daemon did not start within 180 s")
+    except BaseException:   # that, or a signal while it starts: stop it before its folder goes
+        proc.kill()
+        proc.wait(60)
+        raise
 
 
 def main() -> int:

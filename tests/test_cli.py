@@ -151,7 +151,8 @@ def _running(pid: int) -> bool:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_a_stopped_loadtest_stops_its_daemon(tmp_path, signum):
     """loadtest's own daemon does not outlive it: SIGTERM stops it through main's
-    cleanup (exit 143, temporary folder removed), SIGKILL through the kernel."""
+    cleanup, while it starts or runs (exit 143, temporary folder removed), SIGKILL through
+    the kernel."""
     import subprocess
     import time
     from test_attest import cli_env

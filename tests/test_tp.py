@@ -452,6 +452,12 @@ def test_a_rank_that_dies_while_idle_breaks_the_engine_when_asked(tmp_path, capl
     finally:
         eng.close()
     assert not any(p.is_alive() for p in eng._procs)
+    clean = TpEngine(model, 2, n_ctx=256)
+    procs = list(clean._procs)
+    clean.close()
+    clean._procs = procs   # as a health check reading `broken` while close() joins them would see them
+    assert clean.broken is None and len([r for r in caplog.records if r.name == "bitexact.tp"]) == 1, \
+        "a rank stopped by close() is not a death"
 
 
 def test_tp_engine_misuse_is_a_request_error_and_leaves_it_usable(tmp_path):
