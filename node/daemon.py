@@ -209,7 +209,9 @@ def wants_json(accept: str) -> bool:
     ``application/json``, with no parameter or ``charset=utf-8`` (RFC 9110
     section 12.5.1 as werkzeug reads it: types in any case, weights, an exact
     type before ``type/*`` before ``*/*``). No header, ``*/*``,
-    ``application/json;q=0`` or a tie with ``application/msgpack`` gets the file."""
+    ``application/json;q=0`` or a tie of ``application/json`` with ``application/msgpack``
+    gets the file (``application/json;charset=utf-8`` is werkzeug's more specific type, so
+    it wins such a tie)."""
     return parse_accept_header(accept, MIMEAccept).best_match(ATTESTATION_TYPES) in ATTESTATION_TYPES[1:]
 
 
