@@ -49,6 +49,7 @@ class Job:
     on_event: Callable[[str, object], None]
     cancelled: bool = False
     gen: Generation | None = field(default=None, repr=False)
+    fed_at: int | None = None   # the plan that last gave it prompt tokens (first: the one it was seen in)
 
 
 class Scheduler:
@@ -65,6 +66,7 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.step_tokens = step_tokens or STEP_TOKENS[engine.device]
         self.on_step = on_step  # (batch size, tokens fed, tokens sampled)
+        self._plans = 0         # steps planned (the worker thread's own count)
         self._waiting: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
         self._cv = threading.Condition()
@@ -190,15 +192,24 @@ class Scheduler:
         prompt chunks within the tokens left, shared max-min fairly: the
         prefilling jobs with the fewest prompt tokens left are served first,
         each up to an equal share of what remains (and PREFILL_CHUNK); at least
-        one prompt token when none decode. The others wait for a later step."""
+        one prompt token when none decode. When the tokens left are fewer than
+        the prefilling jobs, the jobs fed longest ago get them first, so newer,
+        shorter prompts cannot hold a long one back forever. The others wait
+        for a later step."""
+        self._plans += 1
         left = max(self.step_tokens - sum(1 for job in ready if not job.gen.prompt_left), 1)
         waiting = sorted((job for job in ready if job.gen.prompt_left), key=lambda job: job.gen.prompt_left)
+        for job in waiting:
+            job.fed_at = self._plans if job.fed_at is None else job.fed_at
+        if left < len(waiting):   # not a token for each: round robin (a stable sort keeps fewest-left first)
+            waiting.sort(key=lambda job: job.fed_at)
         give = {}
         for i, job in enumerate(waiting):
             n = min(job.gen.prompt_left, PREFILL_CHUNK, max(left // (len(waiting) - i), 1), left)
             if n:
                 give[id(job)] = n
                 left -= n
+                job.fed_at = self._plans
         jobs = [job for job in ready if not job.gen.prompt_left or id(job) in give]
         return jobs, [job.gen.next_chunk(give.get(id(job), 1)) for job in jobs]
 

@@ -1,6 +1,7 @@
 """A sequence's logits are byte-identical however it is batched, chunked or cached."""
 
 import hashlib
+import itertools
 import time
 
 import jinja2
@@ -515,6 +516,38 @@ def test_step_token_budget_serves_short_prompts_first_and_keeps_the_bytes():
     assert [got["long"], got["short"]] == solo
     assert order == ["short", "long"]
     assert steps and max(steps) <= 8 and sum(steps) >= len(long["prompt_tokens"]) + len(short["prompt_tokens"])
+
+
+def test_newer_shorter_prompts_cannot_hold_a_long_prompt_back_forever():
+    """With fewer prompt tokens per step than prefilling jobs (here 1, every
+    step's other tokens going to decoding jobs), the tokens go round: a long
+    prompt is fed within a few steps even while a shorter prompt arrives every
+    three steps (as fast as one token a step can serve them), where
+    fewest-left-first alone would never feed it."""
+    from node.scheduler import Job, Scheduler
+
+    class Gen:   # a job's prompt to prefill, as Scheduler._plan reads a Generation
+        def __init__(self, left):
+            self.prompt_left = left
+
+        def next_chunk(self, n):
+            n = min(n, self.prompt_left) if self.prompt_left else 1
+            self.prompt_left -= min(n, self.prompt_left)
+            return [0] * n
+
+    plan = Scheduler._plan.__get__(type("S", (), {"step_tokens": 4, "_plans": 0})())
+    decoding = [Job({}, None, gen=Gen(0)) for _ in range(4)]   # 4 decode tokens: 1 prompt token left
+    long = Job({}, None, gen=Gen(100))
+    fed, ready = [], decoding + [long]
+    for step in range(12):
+        ready = [j for j in ready if j.gen.prompt_left or j in decoding]
+        if step % 3 == 0:
+            ready.append(Job({}, None, gen=Gen(3)))   # a shorter prompt of 3 tokens
+        before = long.gen.prompt_left
+        jobs, chunks = plan(ready)
+        assert sum(len(c) for j, c in zip(jobs, chunks) if j not in decoding) == 1
+        fed.append(before - long.gen.prompt_left)
+    assert sum(fed) >= 3 and max(len(list(g)) for k, g in itertools.groupby(fed) if k == 0) <= 4, fed
 
 
 def test_a_cancelled_job_holds_no_place_while_its_step_runs():
