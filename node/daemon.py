@@ -130,12 +130,12 @@ def _unique_keys(pairs: list) -> dict:
     RFC 8259 section 4 leaves such an object's meaning to the parser (some take
     the first value, Python the last), so a proxy that checked one value could
     pass the node a request it runs with the other."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"the name {dup!r} appears twice in one object (RFC 8259 section 4)")
-    return obj
+    seen = set()
+    for name, _ in pairs:
+        if name in seen:
+            raise ValueError(f"the name {name!r} appears twice in one object (RFC 8259 section 4)")
+        seen.add(name)
+    return dict(pairs)
 
 
 def deliver_to(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
@@ -144,11 +144,10 @@ def deliver_to(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
     stuck step behind, node/scheduler.py ``stop``) nobody waits for the event: it is
     dropped, so the worker thread does not die on the closed loop's RuntimeError."""
     def on_event(kind: str, value) -> None:
-        if not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
-            except RuntimeError:   # it closed in between
-                pass
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+        except RuntimeError:   # the loop is closed
+            pass
     return on_event
 
 
