@@ -210,3 +210,17 @@ def test_kernel_digest_covers_sources_launchers_and_options():
     want = sources_sha256([f"cuda/{n}" for n in files] + ["node/backend_cuda.py"], " ".join(COMPILE_OPTIONS).encode())
     assert kernels_sha256() == want
     assert sources_sha256([f"cuda/{n}" for n in files], " ".join(COMPILE_OPTIONS).encode()) != want
+
+
+def test_step_probe_compiles_without_atomics(tmp_path):
+    """scripts/probe_step.cu (the one-launch decode step measured in
+    docs/benchmarks.md) keeps the contract's rule: its grid barrier is release
+    stores and acquire loads, no atomic in the text or the SASS, and it
+    compiles with the node's pinned options."""
+    path = os.path.join(ROOT, "scripts", "probe_step.cu")
+    with open(path) as f, open(os.path.join(CUDA, "common.cuh")) as h:
+        src, header = f.read(), h.read()
+    assert not re.search(r"\batomic\w*\s*\(|\bred\.|\batom\.", src)
+    cubin = tmp_path / "probe.cubin"
+    cubin.write_bytes(_nvrtc_compile("probe_step.cu", src, header))
+    _assert_sass_atomic_free(_sass(cubin))
