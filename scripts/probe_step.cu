@@ -1,5 +1,6 @@
 // bitexact: a measurement, not a kernel of the node. One launch runs a whole
-// batch-1 decode step of a Llama-3.1-8B-shaped BF16 model: every layer's
+// decode step of a Llama-3.1-8B-shaped BF16 model for a tile of M <= 8
+// tokens (each the next token of its own sequence): every layer's
 // RMSNorms, Q/K/V with RoPE and the KV store, split-KV attention (one split:
 // positions < SPLIT_KV), O with its residual, gate/up with the SiLU gate,
 // down with its residual, then the final RMSNorm and the LM head. Each
@@ -13,57 +14,66 @@
 // RoPE pair, a gate row and its up row, or two rows) and streams their
 // weights with cp.async through a ring of PS_STAGES stages of 1 KB in shared
 // memory; the ring runs on across phases and layers (weights never depend
-// on a barrier). A phase's input vector is staged per block in shared
-// memory in the lane-major order of V = 8, normalised there for RMSNorm
-// phases (its loads, the norm weights' too, all in flight at once). Weights
+// on a barrier); each chunk of weights is added to all M tokens. A
+// phase's input (M vectors of D) is staged per block in shared memory in
+// the lane-major order of V = 8, normalised there for RMSNorm phases;
+// down's input (M vectors of F) is staged in K-slices of PS_SL chunk steps,
+// double-buffered, every warp of a block going through the slices in step.
+// No tile, slice or split depends on M. Weights
 // are lane-major with V = 8 (node/reference.py lane_major); gate/up rows
 // interleaved (gate j, up j). Attention: four blocks per query head, each
 // computing every score (a warp per slot, the contract's warp_sum over the
 // head dimension) and a quarter of the output dimensions; the layer's
 // cached keys and values are hinted into L2 during Q/K/V. Epilogue operands
 // (the residual, the RoPE table row) are loaded before a pair's product.
-// A measurement on the 8B shape at batch 1 only: it has no tiles of several
-// tokens, no split-KV combine over several splits, no paged cache.
+// A measurement: the 8B dimensions are compiled in, one tile of tokens,
+// one attention split (positions < SPLIT_KV), no paged cache.
 #include "common.cuh"
 
 #ifndef PS_WARPS
 #define PS_WARPS 16
 #endif
 #ifndef PS_STAGES
-#define PS_STAGES 8
+#define PS_STAGES 6
 #endif
-#ifndef PS_SB
-#define PS_SB 4  // float4 loads per thread and round when staging down's input (8: one round, spills)
+#ifndef PS_SL
+#define PS_SL 7  // chunk steps (256 elements each) per K-slice of down's input
+#endif
+#ifndef PS_SR
+#define PS_SR 1  // tokens per round of staging loads (2: spills)
 #endif
 #ifndef PS_FENCE
 #define PS_FENCE 0  // 1: also a membar.gl before the release store and after the acquire loads
+#endif
+#ifndef PS_TM
+#define PS_TM 8  // tokens per tile (at most M)
 #endif
 #define PS_D 4096
 #define PS_F 14336
 #define PS_HD 128
 #define PS_HKV 8
 #define PS_QKV (PS_D + 2 * PS_HKV * PS_HD)
-#define PS_XMAX PS_F
 
 struct PsArgs {
     const unsigned short* const* mats;  // per layer: Wqkv [6144, D], Wo [D, D], Wgu [2F, D], Wd [D, F]; then head
     const float* attn_norm;             // [layers, D]
     const float* ffn_norm;              // [layers, D]
     const float* out_norm;              // [D]
-    const float* h0;                    // [D] the embedding row (layer 0's input)
-    float* h;                           // [D] residual stream: the last layer's output out
-    float* h1;                          // [D] residual after attention
-    float* q;                           // [D] queries after RoPE
-    float* att;                         // [D] attention output
-    float* act;                         // [F] SiLU gate output
-    float* kc;                          // [layers, HKV, P, HD]
-    float* vc;                          // [layers, HKV, P, HD]
-    const float* cosr;                  // [HD / 2] the RoPE table's row at pos
-    const float* sinr;                  // [HD / 2]
-    float* logits;                      // [vocab]
+    const float* h0;                    // [M, D] the embedding rows (layer 0's input)
+    float* h;                           // [M, D] residual stream: the last layer's output out
+    float* h1;                          // [M, D] residual after attention
+    float* q;                           // [M, D] queries after RoPE
+    float* att;                         // [M, D] attention output
+    float* act;                         // [M, F] SiLU gate output
+    float* kc;                          // [layers, M, HKV, P, HD]: token m's sequence
+    float* vc;                          // [layers, M, HKV, P, HD]
+    const int* pos;                     // [M] positions (< SPLIT_KV)
+    const float* cosr;                  // [M, HD / 2] the RoPE table's rows at pos
+    const float* sinr;                  // [M, HD / 2]
+    float* logits;                      // [M, vocab]
     unsigned int* flags;                // [grid] barrier flags
     unsigned long long* times;          // [5 * layers + 2] block 0's %globaltimer: start, after each barrier, end
-    int layers, pos, P, vocab;
+    int layers, M, P, vocab;
     float eps, scale;
 };
 
@@ -111,90 +121,99 @@ __device__ __forceinline__ void ps_barrier(unsigned int* flags, unsigned int e) 
     __syncthreads();
 }
 
-// x (K floats, written by other blocks) into xs in lane-major order (V = 8);
-// with w: RMSNorm (node/reference.py rms_norm) applied in place.
-template <int K, bool NORM>
-__device__ __noinline__ void ps_stage(float* xs, float* red, const float* x, const float* w, float eps) {
-    // float4 i4 of x holds elements 4 i4 .. 4 i4 + 3: one lane's chunk, contiguous in xs too
-    constexpr int g = K >> 5, T = 32 * PS_WARPS, N = (K / 4 + T - 1) / T;
-    static_assert(K % 4 == 0 && g % 8 == 0, "lane chunks of 8");
-    float4 v[N], wv[N];
-    if (!NORM && N > PS_SB) {  // a long input without norm: loads in rounds of PS_SB float4s per thread
+// Lane-major position (V = 8) of element i of a row of K elements.
+template <int K>
+__device__ __forceinline__ int ps_lm(int i) {
+    constexpr int g = K >> 5;
+    int l = i / g, r = i - l * g;
+    return ((r >> 3) * 32 + l) * 8 + (r & 7);
+}
+
+// x [M, D] (written by other blocks) into xs [M, D] in lane-major order; with
+// w: RMSNorm of each token (node/reference.py rms_norm) applied in place.
+// Loads of PS_SR tokens at a time are in flight together, the norm weights' with the first.
+template <bool NORM>
+__device__ __noinline__ void ps_stage(float* xs, float* red, const float* x, const float* w, float eps, int M) {
+    constexpr int K = PS_D, g = K >> 5, T = 32 * PS_WARPS, N = K / 4 / T;
+    static_assert(K % (4 * T) == 0 && g % 8 == 0, "float4 units, lane chunks of 8");
+    float4 wv[N];
+    if (NORM)
 #pragma unroll
-        for (int u0 = 0; u0 < N; u0 += PS_SB) {
-            float4 b[PS_SB];
+        for (int u = 0; u < N; ++u) wv[u] = __ldg((const float4*)w + threadIdx.x + u * T);
+    for (int t0 = 0; t0 < M; t0 += PS_SR) {
+        float4 v[PS_SR][N];
 #pragma unroll
-            for (int u = 0; u < PS_SB; ++u) {
-                int i4 = threadIdx.x + (u0 + u) * T;
-                if (u0 + u < N && i4 < K / 4) b[u] = __ldcg((const float4*)x + i4);
-            }
+        for (int tt = 0; tt < PS_SR; ++tt)
 #pragma unroll
-            for (int u = 0; u < PS_SB; ++u) {
-                int i = 4 * (threadIdx.x + (u0 + u) * T), l = i / g, r = i - l * g;
-                if (u0 + u < N && i < K) *(float4*)(xs + ((r >> 3) * 32 + l) * 8 + (r & 7)) = b[u];
-            }
-        }
-        __syncthreads();
-        return;
-    }
+            for (int u = 0; u < N; ++u)
+                if (t0 + tt < M) v[tt][u] = __ldcg((const float4*)(x + (size_t)(t0 + tt) * K) + threadIdx.x + u * T);
 #pragma unroll
-    for (int u = 0; u < N; ++u) {  // every load in flight before the first store
-        int i4 = threadIdx.x + u * T;
-        if (i4 < K / 4) {
-            v[u] = __ldcg((const float4*)x + i4);
-            if (NORM) wv[u] = __ldg((const float4*)w + i4);
-        }
-    }
+        for (int tt = 0; tt < PS_SR; ++tt)
 #pragma unroll
-    for (int u = 0; u < N; ++u) {
-        int i = 4 * (threadIdx.x + u * T), l = i / g, r = i - l * g;
-        if (i < K) *(float4*)(xs + ((r >> 3) * 32 + l) * 8 + (r & 7)) = v[u];
+            for (int u = 0; u < N; ++u)
+                if (t0 + tt < M) *(float4*)(xs + (t0 + tt) * K + ps_lm<K>(4 * (threadIdx.x + u * T))) = v[tt][u];
     }
     __syncthreads();
     if (!NORM) return;
-    if (threadIdx.x < 32) {
-        int lane = threadIdx.x;
+    int lane = threadIdx.x & 31, wi = threadIdx.x >> 5;
+    for (int t = wi; t < M; t += PS_WARPS) {  // token t's sum of squares: lane order, then the butterfly
         float acc = 0.0f;
         for (int j = 0; j < (g >> 3); ++j)
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                float xv = xs[(j * 32 + lane) * 8 + e];
+                float xv = xs[t * K + (j * 32 + lane) * 8 + e];
                 acc = __fadd_rn(acc, __fmul_rn(xv, xv));
             }
         acc = bx_butterfly(acc);
-        if (lane == 0)
-            red[0] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(acc, (float)K), eps)));
+        if (lane == 0) red[t] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(acc, (float)K), eps)));
     }
     __syncthreads();
-    float inv = red[0];
+    for (int t = 0; t < M; ++t) {
+        float inv = red[t];
 #pragma unroll
-    for (int u = 0; u < N; ++u) {
-        int i = 4 * (threadIdx.x + u * T), l = i / g, r = i - l * g;
-        if (i < K) {
-            float4 o;
-            o.x = __fmul_rn(__fmul_rn(v[u].x, inv), wv[u].x);
-            o.y = __fmul_rn(__fmul_rn(v[u].y, inv), wv[u].y);
-            o.z = __fmul_rn(__fmul_rn(v[u].z, inv), wv[u].z);
-            o.w = __fmul_rn(__fmul_rn(v[u].w, inv), wv[u].w);
-            *(float4*)(xs + ((r >> 3) * 32 + l) * 8 + (r & 7)) = o;
+        for (int u = 0; u < N; ++u) {
+            float4* p = (float4*)(xs + t * K + ps_lm<K>(4 * (threadIdx.x + u * T)));
+            float4 o = *p;
+            o.x = __fmul_rn(__fmul_rn(o.x, inv), wv[u].x);
+            o.y = __fmul_rn(__fmul_rn(o.y, inv), wv[u].y);
+            o.z = __fmul_rn(__fmul_rn(o.z, inv), wv[u].z);
+            o.w = __fmul_rn(__fmul_rn(o.w, inv), wv[u].w);
+            *p = o;
         }
     }
     __syncthreads();
 }
 
-// Decode attention of query head hq at position pos (one split: pos < SPLIT_KV),
-// node/reference.py attention; run by one block.
-__device__ __noinline__ void ps_attention(const PsArgs& a, int layer, int hq, int dq, float* sm) {
+// cp.async copies of down's input slice s for M tokens into buf (one commit
+// group): slice s holds the lane-major positions s * PS_SL * 256 .. of each
+// token's F elements, token t at buf + t * PS_SL * 256.
+constexpr int PS_SU = PS_SL * 64;  // float4 units per token and slice
+__device__ __forceinline__ void ps_slice_copy(float* buf, const float* act, int s, int M) {
+    for (int u = threadIdx.x; u < M * PS_SU; u += 32 * PS_WARPS) {
+        int t = u / PS_SU, q = s * PS_SL * 256 + (u - t * PS_SU) * 4;
+        int j = q >> 8, l = (q >> 3) & 31, e = q & 7;  // q = (j * 32 + l) * 8 + e
+        unsigned int dst = (unsigned int)__cvta_generic_to_shared(buf + t * PS_SL * 256 + (u - t * PS_SU) * 4);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
+                     "l"(act + (size_t)t * PS_F + l * (PS_F >> 5) + j * 8 + e));
+    }
+    asm volatile("cp.async.commit_group;");
+}
+
+// Decode attention of token m's query head hq at its position (one split:
+// pos < SPLIT_KV), output dimensions 32 dq .. 32 dq + 31; node/reference.py
+// attention; run by one block.
+__device__ __noinline__ void ps_attention(const PsArgs& a, int layer, int m, int hq, int dq, float* sm) {
     float* s = sm;                  // [SPLIT_KV] scores, then exp terms
     float* part = s + SPLIT_KV;     // [32][32] lane partials of the block's 32 output dims
     float* red = part + 32 * 32;    // [PS_WARPS + 1]
-    int kvh = hq / (32 / PS_HKV), L = a.pos + 1, t = threadIdx.x;
-    const float* kb = a.kc + ((size_t)(layer * PS_HKV + kvh) * a.P) * PS_HD;
-    const float* vb = a.vc + ((size_t)(layer * PS_HKV + kvh) * a.P) * PS_HD;
+    int kvh = hq / (32 / PS_HKV), L = a.pos[m] + 1, t = threadIdx.x;
+    size_t base = ((size_t)((layer * a.M + m) * PS_HKV + kvh) * a.P) * PS_HD;
+    const float* kb = a.kc + base;
+    const float* vb = a.vc + base;
     int lane = t & 31, wi = t >> 5;
-    float4 q4 = __ldcg((const float4*)(a.q + hq * PS_HD) + lane);  // lane's dims 4 lane .. 4 lane + 3
-    constexpr int SW = SPLIT_KV / PS_WARPS / 2;                      // slots per warp and round: wi + PS_WARPS k
-    float m = -__int_as_float(0x7f800000);
+    float4 q4 = __ldcg((const float4*)(a.q + (size_t)m * PS_D + hq * PS_HD) + lane);  // dims 4 lane .. 4 lane + 3
+    constexpr int SW = SPLIT_KV / PS_WARPS / 2;  // slots per warp and round: wi + PS_WARPS k
+    float mx = -__int_as_float(0x7f800000);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float4 k4[SW];
@@ -214,18 +233,17 @@ __device__ __noinline__ void ps_attention(const PsArgs& a, int layer, int hq, in
                 acc = __fadd_rn(acc, __fmul_rn(q4.w, k4[k].w));
                 float sc = __fmul_rn(bx_butterfly(acc), a.scale);
                 if (lane == 0) s[slot] = sc;
-                m = fmaxf(m, sc);
+                mx = fmaxf(mx, sc);
             }
         }
     }
-    if (lane == 0) red[wi] = m;
+    if (lane == 0) red[wi] = mx;
     __syncthreads();
-    m = red[0];
-    for (int i = 1; i < PS_WARPS; ++i) m = fmaxf(m, red[i]);
-    if (t < L) s[t] = bx_exp32(__fsub_rn(s[t], m));
+    mx = red[0];
+    for (int i = 1; i < PS_WARPS; ++i) mx = fmaxf(mx, red[i]);
+    if (t < L) s[t] = bx_exp32(__fsub_rn(s[t], mx));
     __syncthreads();
-    // output partials of dims 32dq .. 32dq + 31: item (c, d) sums lane c's slots 8c .. 8c + 7;
-    // each thread loads its items' values first, so they are in flight together
+    // output partials: item (c, d) sums lane c's slots 8c .. 8c + 7; loads first, in flight together
     for (int i0 = t; i0 < 32 * 32; i0 += 2 * blockDim.x) {
         float vv[2][8];
 #pragma unroll
@@ -259,22 +277,31 @@ __device__ __noinline__ void ps_attention(const PsArgs& a, int layer, int hq, in
 #pragma unroll
         for (int c = 0; c < 32; ++c) p[c] = part[c * 32 + t];
         float o = bx_tree<32>(p);
-        float w = bx_exp32(__fsub_rn(m, m));  // the one split's weight against the maximum over splits
+        float w = bx_exp32(__fsub_rn(mx, mx));  // the one split's weight against the maximum over splits
         float big_l = __fadd_rn(0.0f, __fmul_rn(red[PS_WARPS], w));
         float big_o = __fadd_rn(0.0f, __fmul_rn(o, w));
-        a.att[hq * PS_HD + 32 * dq + t] = __fdiv_rn(big_o, big_l);
+        a.att[(size_t)m * PS_D + hq * PS_HD + 32 * dq + t] = __fdiv_rn(big_o, big_l);
     }
     __syncthreads();
+}
+
+// Token t's value of a per-token array held in registers (t is a lane index).
+__device__ __forceinline__ float ps_pick(const float (&v)[PS_TM], int t) {
+    float r = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PS_TM; ++i)
+        if (t == i) r = v[i];
+    return r;
 }
 
 extern "C" __global__ void __launch_bounds__(32 * PS_WARPS, 1) probe_step(unsigned int epoch0) {
     const PsArgs& a = ps_args;
     extern __shared__ __align__(16) unsigned char smem[];
-    int lane = threadIdx.x & 31, wi = threadIdx.x >> 5;
+    int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, M = a.M;
     int nwg = gridDim.x * PS_WARPS, gw = wi * gridDim.x + blockIdx.x;  // pairs spread over blocks first
     unsigned char* ring = smem + wi * PS_STAGES * 1024;
-    float* xs = (float*)(smem + PS_WARPS * PS_STAGES * 1024);
-    float* red = xs + PS_XMAX;
+    float* xs = (float*)(smem + PS_WARPS * PS_STAGES * 1024);      // [PS_TM, D]; down: two slice buffers
+    float* red = xs + PS_TM * PS_D;
     int wend = 4 * a.layers + 1;
     unsigned int e = epoch0;
 
@@ -298,111 +325,168 @@ extern "C" __global__ void __launch_bounds__(32 * PS_WARPS, 1) probe_step(unsign
         asm volatile("cp.async.commit_group;");
         ps = ps + 1 == PS_STAGES ? 0 : ps + 1;
     };
-    // The contract's sums of two rows against xs (K elements): lane sums over
-    // 8-element chunks j = 0 .. K/256 - 1 in order, then the butterfly.
-    auto rows2 = [&](int K, float& y0, float& y1) {
-        float a0 = 0.0f, a1 = 0.0f;
-        for (int j = 0; j < (K >> 8); ++j) {
-            issue();
-            asm volatile("cp.async.wait_group %0;" ::"n"(PS_STAGES - 1) : "memory");
-            uint4 wa = *(const uint4*)(ring + cs * 1024 + lane * 16);
-            uint4 wb = *(const uint4*)(ring + cs * 1024 + 512 + lane * 16);
-            cs = cs + 1 == PS_STAGES ? 0 : cs + 1;
-            const float4* x4 = (const float4*)(xs + (j * 32 + lane) * 8);
+    // One chunk step of the contract's sums of two rows for M tokens: the
+    // ring's next chunk times x's 8 elements at xc (token t at xc + t * xstride).
+    auto chunk = [&](const float* xc, int xstride, float (&a0)[PS_TM], float (&a1)[PS_TM]) {
+        issue();
+        asm volatile("cp.async.wait_group %0;" ::"n"(PS_STAGES - 1) : "memory");
+        uint4 wa = *(const uint4*)(ring + cs * 1024 + lane * 16);
+        uint4 wb = *(const uint4*)(ring + cs * 1024 + 512 + lane * 16);
+        cs = cs + 1 == PS_STAGES ? 0 : cs + 1;
+        unsigned int ua[4] = {wa.x, wa.y, wa.z, wa.w}, ub[4] = {wb.x, wb.y, wb.z, wb.w};
+        float w0[8], w1[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w0[2 * i] = bx_bf16((unsigned short)(ua[i] & 0xFFFFu));
+            w0[2 * i + 1] = bx_bf16((unsigned short)(ua[i] >> 16));
+            w1[2 * i] = bx_bf16((unsigned short)(ub[i] & 0xFFFFu));
+            w1[2 * i + 1] = bx_bf16((unsigned short)(ub[i] >> 16));
+        }
+#pragma unroll
+        for (int t = 0; t < PS_TM; ++t) {
+            if (t >= M) break;
+            const float4* x4 = (const float4*)(xc + t * xstride);
             float4 xa = x4[0], xb = x4[1];
             float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-            unsigned int ua[4] = {wa.x, wa.y, wa.z, wa.w}, ub[4] = {wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                a0 = __fadd_rn(a0, __fmul_rn(xv[2 * i], bx_bf16((unsigned short)(ua[i] & 0xFFFFu))));
-                a0 = __fadd_rn(a0, __fmul_rn(xv[2 * i + 1], bx_bf16((unsigned short)(ua[i] >> 16))));
-                a1 = __fadd_rn(a1, __fmul_rn(xv[2 * i], bx_bf16((unsigned short)(ub[i] & 0xFFFFu))));
-                a1 = __fadd_rn(a1, __fmul_rn(xv[2 * i + 1], bx_bf16((unsigned short)(ub[i] >> 16))));
+            for (int i = 0; i < 8; ++i) {
+                a0[t] = __fadd_rn(a0[t], __fmul_rn(xv[i], w0[i]));
+                a1[t] = __fadd_rn(a1[t], __fmul_rn(xv[i], w1[i]));
             }
         }
-        y0 = bx_butterfly(a0);
-        y1 = bx_butterfly(a1);
+    };
+    // Two rows against xs (K = D): all chunk steps, then the butterflies; lane t < M gets token t's sums.
+    auto rows2 = [&](float& y0, float& y1) {
+        float a0[PS_TM], a1[PS_TM];
+#pragma unroll
+        for (int t = 0; t < PS_TM; ++t) a0[t] = a1[t] = 0.0f;
+        for (int j = 0; j < (PS_D >> 8); ++j) chunk(xs + (j * 32 + lane) * 8, PS_D, a0, a1);
+#pragma unroll
+        for (int t = 0; t < PS_TM; ++t)
+            if (t < M) {
+                a0[t] = bx_butterfly(a0[t]);
+                a1[t] = bx_butterfly(a1[t]);
+            }
+        y0 = ps_pick(a0, lane);
+        y1 = ps_pick(a1, lane);
     };
     ps_time(a, 0);
     for (int i = 0; i < PS_STAGES - 1; ++i) issue();
 
     for (int layer = 0; layer < a.layers; ++layer) {
-        // Q/K/V: RoPE on adjacent pairs, K and V into the cache at pos
+        // Q/K/V: RoPE on adjacent pairs, K and V into the cache at each token's position
         const float* hin = layer == 0 ? a.h0 : a.h;
         if (layer > 0) { ps_barrier(a.flags, ++e); ps_time(a, e - epoch0); }
         {  // this layer's cached keys and values (positions < pos) into L2 for the attention phase
-            size_t lines = (size_t)PS_HKV * a.P * PS_HD * 4 / 128;
+            size_t lines = (size_t)M * PS_HKV * a.P * PS_HD * 4 / 128;
             for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < 2 * lines;
                  i += (size_t)gridDim.x * blockDim.x) {
                 size_t li = i % lines;
-                if ((li * 32 / PS_HD) % a.P < (size_t)a.pos)
-                    bx_prefetch_l2((i < lines ? a.kc : a.vc) + (size_t)layer * PS_HKV * a.P * PS_HD + li * 32);
+                int m = (int)(li / ((size_t)PS_HKV * a.P * PS_HD / 32));
+                if ((int)((li * 32 / PS_HD) % a.P) < a.pos[m])
+                    bx_prefetch_l2((i < lines ? a.kc : a.vc) + (size_t)layer * M * PS_HKV * a.P * PS_HD + li * 32);
             }
         }
-        ps_stage<PS_D, true>(xs, red, hin, a.attn_norm + (size_t)layer * PS_D, a.eps);
+        ps_stage<true>(xs, red, hin, a.attn_norm + (size_t)layer * PS_D, a.eps, M);
         for (int p = gw; p < PS_QKV / 2; p += nwg) {
             float y0, y1;
-            int r = 2 * p, i = (r % PS_HD) >> 1;
-            float c = __ldg(a.cosr + i), s = __ldg(a.sinr + i);
-            rows2(PS_D, y0, y1);
-            if (lane == 0) {
+            int r = 2 * p, i = (r % PS_HD) >> 1, tl = min(lane, M - 1);
+            float c = __ldg(a.cosr + tl * (PS_HD / 2) + i), s = __ldg(a.sinr + tl * (PS_HD / 2) + i);
+            int pos = __ldg(a.pos + tl);
+            rows2(y0, y1);
+            if (lane < M) {
                 if (r < PS_D + PS_HKV * PS_HD) {
                     float o0 = __fsub_rn(__fmul_rn(y0, c), __fmul_rn(y1, s));
                     float o1 = __fadd_rn(__fmul_rn(y0, s), __fmul_rn(y1, c));
-                    float* dst = r < PS_D ? a.q + r
-                                          : a.kc + ((size_t)(layer * PS_HKV + (r - PS_D) / PS_HD) * a.P + a.pos) * PS_HD +
-                                                (r - PS_D) % PS_HD;
+                    float* dst = r < PS_D ? a.q + (size_t)lane * PS_D + r
+                                          : a.kc + ((size_t)((layer * M + lane) * PS_HKV + (r - PS_D) / PS_HD) * a.P +
+                                                    pos) * PS_HD + (r - PS_D) % PS_HD;
                     dst[0] = o0;
                     dst[1] = o1;
                 } else {
                     int rv = r - PS_D - PS_HKV * PS_HD;
-                    float* dst = a.vc + ((size_t)(layer * PS_HKV + rv / PS_HD) * a.P + a.pos) * PS_HD + rv % PS_HD;
+                    float* dst = a.vc + ((size_t)((layer * M + lane) * PS_HKV + rv / PS_HD) * a.P + pos) * PS_HD +
+                                 rv % PS_HD;
                     dst[0] = y0;
                     dst[1] = y1;
                 }
             }
         }
         { ps_barrier(a.flags, ++e); ps_time(a, e - epoch0); }
-        if (blockIdx.x < 128) ps_attention(a, layer, blockIdx.x >> 2, blockIdx.x & 3, xs);
+        for (int task = blockIdx.x; task < M * 128; task += gridDim.x)
+            ps_attention(a, layer, task >> 7, (task >> 2) & 31, task & 3, xs);
         // O and the residual
         { ps_barrier(a.flags, ++e); ps_time(a, e - epoch0); }
-        ps_stage<PS_D, false>(xs, red, a.att, nullptr, 0.0f);
+        ps_stage<false>(xs, red, a.att, nullptr, 0.0f, M);
         for (int p = gw; p < PS_D / 2; p += nwg) {
-            float y0, y1, r0 = __ldcg(hin + 2 * p), r1 = __ldcg(hin + 2 * p + 1);
-            rows2(PS_D, y0, y1);
-            if (lane == 0) {
-                a.h1[2 * p] = __fadd_rn(r0, y0);
-                a.h1[2 * p + 1] = __fadd_rn(r1, y1);
+            float y0, y1;
+            const float* rp = hin + (size_t)min(lane, M - 1) * PS_D + 2 * p;
+            float r0 = __ldcg(rp), r1 = __ldcg(rp + 1);
+            rows2(y0, y1);
+            if (lane < M) {
+                a.h1[(size_t)lane * PS_D + 2 * p] = __fadd_rn(r0, y0);
+                a.h1[(size_t)lane * PS_D + 2 * p + 1] = __fadd_rn(r1, y1);
             }
         }
         // gate/up and the SiLU gate
         { ps_barrier(a.flags, ++e); ps_time(a, e - epoch0); }
-        ps_stage<PS_D, true>(xs, red, a.h1, a.ffn_norm + (size_t)layer * PS_D, a.eps);
+        ps_stage<true>(xs, red, a.h1, a.ffn_norm + (size_t)layer * PS_D, a.eps, M);
         for (int p = gw; p < PS_F; p += nwg) {
             float g, u;
-            rows2(PS_D, g, u);
-            if (lane == 0) a.act[p] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, bx_exp32(-g))), u);
+            rows2(g, u);
+            if (lane < M) a.act[(size_t)lane * PS_F + p] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, bx_exp32(-g))), u);
         }
-        // down and the residual
+        // down and the residual: x in K-slices, every warp of the block in step
         { ps_barrier(a.flags, ++e); ps_time(a, e - epoch0); }
-        ps_stage<PS_F, false>(xs, red, a.act, nullptr, 0.0f);
-        for (int p = gw; p < PS_D / 2; p += nwg) {
-            float y0, y1, r0 = __ldcg(a.h1 + 2 * p), r1 = __ldcg(a.h1 + 2 * p + 1);
-            rows2(PS_F, y0, y1);
-            if (lane == 0) {
-                a.h[2 * p] = __fadd_rn(r0, y0);
-                a.h[2 * p + 1] = __fadd_rn(r1, y1);
+        for (int p0 = 0; p0 < PS_D / 2; p0 += nwg) {
+            int p = p0 + gw;
+            bool live = p < PS_D / 2;
+            const float* rp = a.h1 + (size_t)min(lane, M - 1) * PS_D + 2 * min(p, PS_D / 2 - 1);
+            float r0 = __ldcg(rp), r1 = __ldcg(rp + 1);
+            float a0[PS_TM], a1[PS_TM];
+#pragma unroll
+            for (int t = 0; t < PS_TM; ++t) a0[t] = a1[t] = 0.0f;
+            constexpr int NS = (PS_F >> 8) / PS_SL, BUF = PS_TM * PS_SL * 256;
+            static_assert((PS_F >> 8) % PS_SL == 0 && 2 * BUF <= PS_TM * PS_D, "whole slices, two buffers in xs");
+            // Slice s + 1 is copied while slice s is added. A live warp's wait for it leaves the
+            // PS_SL newest groups (its chunks) pending: with PS_SL >= PS_STAGES - 1 the ring keeps its depth.
+            ps_slice_copy(xs, a.act, 0, M);
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+            __syncthreads();
+            for (int s = 0; s < NS; ++s) {
+                if (s + 1 < NS) ps_slice_copy(xs + ((s + 1) & 1) * BUF, a.act, s + 1, M);
+                if (live)
+                    for (int jj = 0; jj < PS_SL; ++jj)
+                        chunk(xs + (s & 1) * BUF + (jj * 32 + lane) * 8, PS_SL * 256, a0, a1);
+                if (s + 1 < NS) {
+                    if (live) asm volatile("cp.async.wait_group %0;" ::"n"(PS_SL) : "memory");
+                    else asm volatile("cp.async.wait_group 0;" ::: "memory");
+                }
+                __syncthreads();
+            }
+            if (live) {
+#pragma unroll
+                for (int t = 0; t < PS_TM; ++t)
+                    if (t < M) {
+                        a0[t] = bx_butterfly(a0[t]);
+                        a1[t] = bx_butterfly(a1[t]);
+                    }
+                float y0 = ps_pick(a0, lane), y1 = ps_pick(a1, lane);
+                if (lane < M) {
+                    a.h[(size_t)lane * PS_D + 2 * p] = __fadd_rn(r0, y0);
+                    a.h[(size_t)lane * PS_D + 2 * p + 1] = __fadd_rn(r1, y1);
+                }
             }
         }
     }
     { ps_barrier(a.flags, ++e); ps_time(a, e - epoch0); }
-    ps_stage<PS_D, true>(xs, red, a.h, a.out_norm, a.eps);
+    ps_stage<true>(xs, red, a.h, a.out_norm, a.eps, M);
     for (int p = gw; p < a.vocab / 2; p += nwg) {
         float y0, y1;
-        rows2(PS_D, y0, y1);
-        if (lane == 0) {
-            a.logits[2 * p] = y0;
-            a.logits[2 * p + 1] = y1;
+        rows2(y0, y1);
+        if (lane < M) {
+            a.logits[(size_t)lane * a.vocab + 2 * p] = y0;
+            a.logits[(size_t)lane * a.vocab + 2 * p + 1] = y1;
         }
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");

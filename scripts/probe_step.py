@@ -1,17 +1,21 @@
 """Measure one launch per decode step: scripts/probe_step.cu on the Llama-3.1-8B shape in BF16.
 
 A measurement for the batch-1 roofline target (docs/benchmarks.md, "A whole
-step in one launch"), not a path of the node: the kernel runs one token of a
-synthetic model with seeded random BF16 weights (std 0.02), every layer
-and the LM head inside one cooperative launch. It first runs one layer and
-the LM head and compares every intermediate (queries after RoPE, the K and V
-written to the cache, the attention output, both residuals, the SiLU gate,
-the logits) byte for byte with node/reference.py; then, for each variant of
-the kernel's ``-D`` constants (PS_STAGES, PS_WARPS), it times the full depth
-(20 launches after 3 untimed ones, CUDA events) and checks that every launch
-gave the same logits bytes. Roofline: weight bytes ÷ 4.3 TB/s.
+step in one launch"), not a path of the node: the kernel runs one decode
+step for M <= 8 tokens (each the next token of its own sequence, at its own
+position below 256) of a synthetic model with seeded random BF16 weights
+(std 0.02), every layer and the LM head inside one cooperative launch. It
+first runs one layer and the LM head at each ``--check-tokens`` count and
+compares every intermediate (queries after RoPE, the K and V written to the
+cache, the attention output, both residuals, the SiLU gate, the logits)
+byte for byte with node/reference.py; then, for each ``--tokens`` count and
+each variant of the kernel's ``-D`` constants (PS_STAGES, PS_SL, PS_SR,
+PS_FENCE), it times the full depth (20 launches after 3 untimed ones, CUDA
+events) and checks that every launch gave the same logits bytes. Roofline:
+weight bytes ÷ 4.3 TB/s. Exit status 0 only when every check and every
+digest held.
 
-    python3 scripts/probe_step.py --out probe.json -- "" "-DPS_STAGES=8"
+    python3 scripts/probe_step.py --out probe.json --tokens 1,8 --check-tokens 1,3 -- "" "-DPS_SL=4"
 """
 
 from __future__ import annotations
@@ -45,9 +49,9 @@ def compile_variant(cp, defines: list[str]):
         f.write(cubin)
     mod = cp.RawModule(path=path)
     fn = mod.get_function("probe_step")
-    params = {"PS_WARPS": 16, "PS_STAGES": 10}
+    params = {"PS_WARPS": 16, "PS_STAGES": 6, "PS_TM": 8}
     params.update({d[2:].split("=")[0]: int(d.split("=")[1]) for d in defines})
-    smem = params["PS_WARPS"] * params["PS_STAGES"] * 1024 + (F + 32) * 4
+    smem = params["PS_WARPS"] * params["PS_STAGES"] * 1024 + (params["PS_TM"] * D + 32) * 4
     fn.max_dynamic_shared_size_bytes = smem
     return fn, mod, params, smem
 
@@ -91,25 +95,29 @@ def f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def run_setup(cp, model: Model, layers: int, pos: int, seed: int = 7):
+def run_setup(cp, model: Model, layers: int, positions: list[int], seed: int = 7):
+    """Inputs and buffers for M = len(positions) tokens, token m the next token of its own sequence
+    at positions[m] (< 256), and the packed kernel arguments."""
+    m = len(positions)
     rng = np.random.default_rng(seed)
-    host = {"h0": rng.standard_normal(D, dtype=np.float32),
+    host = {"h0": rng.standard_normal((m, D), dtype=np.float32),
             "attn_norm": (1 + 0.1 * rng.standard_normal((layers, D))).astype(np.float32),
             "ffn_norm": (1 + 0.1 * rng.standard_normal((layers, D))).astype(np.float32),
             "out_norm": (1 + 0.1 * rng.standard_normal(D)).astype(np.float32),
-            "kc": rng.standard_normal((layers, HKV, P, HD), dtype=np.float32),
-            "vc": rng.standard_normal((layers, HKV, P, HD), dtype=np.float32)}
-    theta = pos * (500000.0 ** (-np.arange(HD // 2) * 2.0 / HD))
+            "kc": rng.standard_normal((layers, m, HKV, P, HD), dtype=np.float32),
+            "vc": rng.standard_normal((layers, m, HKV, P, HD), dtype=np.float32),
+            "pos": np.array(positions, np.int32)}
+    theta = np.array(positions, np.float64)[:, None] * (500000.0 ** (-np.arange(HD // 2) * 2.0 / HD))
     host["cos"], host["sin"] = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
     dev = {k: cp.asarray(v) for k, v in host.items()}
     for name, n in (("h", D), ("h1", D), ("q", D), ("att", D), ("act", F), ("logits", VOCAB)):
-        dev[name] = cp.zeros(n, cp.float32)
+        dev[name] = cp.zeros((m, n), cp.float32)
     dev["flags"] = cp.zeros(1024, cp.uint32)
     dev["times"] = cp.zeros(5 * layers + 2, cp.uint64)
-    order = ["attn_norm", "ffn_norm", "out_norm", "h0", "h", "h1", "q", "att", "act", "kc", "vc", "cos", "sin",
-             "logits", "flags", "times"]
+    order = ["attn_norm", "ffn_norm", "out_norm", "h0", "h", "h1", "q", "att", "act", "kc", "vc", "pos", "cos",
+             "sin", "logits", "flags", "times"]
     scale = np.float32(1.0) / np.sqrt(np.float32(HD))
-    dev["args"] = struct.pack("<17Q4i2f", model.ptrs.data.ptr, *(dev[k].data.ptr for k in order), layers, pos, P,
+    dev["args"] = struct.pack("<18Q4i2f", model.ptrs.data.ptr, *(dev[k].data.ptr for k in order), layers, m, P,
                               VOCAB, float(EPS), float(scale))
     return host, dev
 
@@ -133,33 +141,45 @@ def phase_us(times: np.ndarray, layers: int) -> dict:
     return out
 
 
-def reference_layer(model: Model, host: dict, pos: int) -> dict:
-    """node/reference.py for layer 0 and the LM head at batch 1."""
+def reference_layer(model: Model, host: dict) -> dict:
+    """node/reference.py for layer 0 and the LM head, each token the next one of its own sequence."""
     w = {k: f32(v) for k, v in model.host.items()}
-    x = host["h0"][None]
+    x, pos = host["h0"], host["pos"]
+    m = x.shape[0]
     xn = ref.rms_norm(x, host["attn_norm"][0], EPS)
     qkv = ref.matmul_f(xn, w["qkv"])
-    cos, sin = host["cos"][None], host["sin"][None]
-    q = ref.rope(qkv[:, :D].reshape(1, H, HD), cos, sin)
-    k = ref.rope(qkv[:, D:D + HKV * HD].reshape(1, HKV, HD), cos, sin)
-    v = qkv[:, D + HKV * HD:].reshape(1, HKV, HD)
+    q = ref.rope(qkv[:, :D].reshape(m, H, HD), host["cos"], host["sin"])
+    k = ref.rope(qkv[:, D:D + HKV * HD].reshape(m, HKV, HD), host["cos"], host["sin"])
+    v = qkv[:, D + HKV * HD:].reshape(m, HKV, HD)
     kc, vc = host["kc"][0].copy(), host["vc"][0].copy()
-    kc[:, pos], vc[:, pos] = k[0], v[0]
-    att = ref.attention(q, kc, vc, np.array([pos])).reshape(1, D)
+    att = np.empty((m, D), np.float32)
+    for t in range(m):
+        kc[t, :, pos[t]], vc[t, :, pos[t]] = k[t], v[t]
+        att[t] = ref.attention(q[t:t + 1], kc[t], vc[t], pos[t:t + 1]).reshape(D)
     h1 = ref.residual_add(x, ref.matmul_f(att, w["o"]))
     xn2 = ref.rms_norm(h1, host["ffn_norm"][0], EPS)
     act = ref.silu_gate(ref.matmul_f(xn2, w["gate"]), ref.matmul_f(xn2, w["up"]))
     h2 = ref.residual_add(h1, ref.matmul_f(act, w["down"]))
     logits = ref.matmul_f(ref.rms_norm(h2, host["out_norm"], EPS), w["head"])
-    return {"q": q.reshape(-1), "k_at_pos": kc[:, pos].reshape(-1), "v_at_pos": vc[:, pos].reshape(-1),
-            "att": att[0], "h1": h1[0], "act": act[0], "h": h2[0], "logits": logits[0]}
+    rows = np.arange(m)
+    return {"q": q, "k_at_pos": kc[rows, :, pos], "v_at_pos": vc[rows, :, pos], "att": att, "h1": h1,
+            "act": act, "h": h2, "logits": logits}
+
+
+def positions(m: int, first: int) -> list[int]:
+    """M distinct positions below 256, the first one ``first``."""
+    return [(first - 37 * t) % 256 for t in range(m)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--pos", type=int, default=200, help="the token's position (< 256: one attention split)")
+    ap.add_argument("--pos", type=int, default=200, help="the first token's position (< 256: one attention split)")
+    ap.add_argument("--tokens", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8],
+                    help="token counts M (1..8) to time, comma-separated")
+    ap.add_argument("--check-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[1, 3, 8],
+                    help="token counts checked against the numpy engine")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("variants", nargs="*", default=[""])
     args = ap.parse_args()
@@ -168,23 +188,27 @@ def main() -> int:
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     result = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "sms": sms, "pos": args.pos,
               "check": {}, "runs": []}
-    # 1. bytes against the numpy engine: one layer and the LM head
+    # 1. bytes against the numpy engine: one layer and the LM head, at each checked token count
     fn, mod, params, smem = compile_variant(cp, [])
     model = Model(cp, 1, keep_host=True)
-    host, dev = run_setup(cp, model, 1, args.pos)
-    set_args(mod, dev)
-    launch(fn, smem, sms, params["PS_WARPS"], 0)
-    cp.cuda.Device().synchronize()
-    t0 = time.time()
-    want = reference_layer(model, host, args.pos)
-    got = {"q": dev["q"].get(), "k_at_pos": dev["kc"][0, :, args.pos].get().reshape(-1),
-           "v_at_pos": dev["vc"][0, :, args.pos].get().reshape(-1), "att": dev["att"].get(), "h1": dev["h1"].get(),
-           "act": dev["act"].get(), "h": dev["h"].get(), "logits": dev["logits"].get()}
-    for k in want:
-        same = want[k].astype(np.float32).tobytes() == got[k].tobytes()
-        result["check"][k] = same if same else f"differs at {int(np.argmax(want[k] != got[k]))} of {want[k].size}"
-    result["check_seconds"] = round(time.time() - t0, 1)
-    print("check:", result["check"], flush=True)
+    for m in args.check_tokens:
+        host, dev = run_setup(cp, model, 1, positions(m, args.pos))
+        set_args(mod, dev)
+        launch(fn, smem, sms, params["PS_WARPS"], 0)
+        cp.cuda.Device().synchronize()
+        t0 = time.time()
+        want = reference_layer(model, host)
+        rows, pos = np.arange(m), host["pos"]
+        got = {"q": dev["q"].get().reshape(m, H, HD), "k_at_pos": dev["kc"].get()[0][rows, :, pos],
+               "v_at_pos": dev["vc"].get()[0][rows, :, pos], "att": dev["att"].get(), "h1": dev["h1"].get(),
+               "act": dev["act"].get(), "h": dev["h"].get(), "logits": dev["logits"].get()}
+        check = {}
+        for k in want:
+            same = want[k].astype(np.float32).tobytes() == got[k].tobytes()
+            check[k] = same if same else f"differs at {int(np.argmax(want[k] != got[k]))} of {want[k].size}"
+        result["check"][f"M={m}"] = {"positions": positions(m, args.pos), **check,
+                                     "seconds": round(time.time() - t0, 1)}
+        print(f"check M={m}:", check, flush=True)
     del model, dev
     cp.get_default_memory_pool().free_all_blocks()
     # 2. the full depth, timed
@@ -192,33 +216,36 @@ def main() -> int:
     result["weight_bytes"] = model.bytes
     roof_ms = model.bytes / HBM * 1e3
     result["roofline_ms"] = roof_ms
-    host, dev = run_setup(cp, model, args.layers, args.pos)
     barriers = 5 * args.layers
-    epoch = 0  # the flags keep the last barrier's number: one count across variants
-    for var in args.variants:
-        fn, mod, params, smem = compile_variant(cp, var.split())
-        set_args(mod, dev)
-        digests = set()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        for i in range(3 + args.iters):
-            if i == 3:
-                start.record()
-            launch(fn, smem, sms, params["PS_WARPS"], epoch)
-            epoch += barriers
-            if i < 3 or i == 2 + args.iters:
-                end.record()
-                end.synchronize()
-                digests.add(dev["logits"].get().tobytes())
-        ms = cp.cuda.get_elapsed_time(start, end) / args.iters
-        ph = phase_us(dev["times"].get(), args.layers)
-        run = {"variant": var, "ms_per_step": round(ms, 4), "of_roofline": round(roof_ms / ms, 4),
-               "one_logits_digest": len(digests) == 1, "phases_us": ph,
-               "rest_us": round(ms * 1e3 - args.layers * ph["per_layer"], 1)}
-        result["runs"].append(run)
-        print(run, flush=True)
+    for m in args.tokens:
+        host, dev = run_setup(cp, model, args.layers, positions(m, args.pos))
+        epoch = 0
+        for var in args.variants:
+            fn, mod, params, smem = compile_variant(cp, var.split())
+            set_args(mod, dev)
+            digests = set()
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            for i in range(3 + args.iters):
+                if i == 3:
+                    start.record()
+                launch(fn, smem, sms, params["PS_WARPS"], epoch)
+                epoch += barriers
+                if i < 3 or i == 2 + args.iters:
+                    end.record()
+                    end.synchronize()
+                    digests.add(dev["logits"].get().tobytes())
+            ms = cp.cuda.get_elapsed_time(start, end) / args.iters
+            ph = phase_us(dev["times"].get(), args.layers)
+            run = {"variant": var, "tokens": m, "ms_per_step": round(ms, 4), "tokens_per_s": round(m * 1e3 / ms, 1),
+                   "of_roofline": round(roof_ms / ms, 4), "one_logits_digest": len(digests) == 1,
+                   "phases_us": ph, "rest_us": round(ms * 1e3 - args.layers * ph["per_layer"], 1)}
+            result["runs"].append(run)
+            print(run, flush=True)
+        del dev
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    return 0 if all(v is True for v in result["check"].values()) else 1
+    ok = all(v is True for c in result["check"].values() for k, v in c.items() if k not in ("positions", "seconds"))
+    return 0 if ok and all(r["one_logits_digest"] for r in result["runs"]) else 1
 
 
 if __name__ == "__main__":
