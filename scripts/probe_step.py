@@ -183,7 +183,21 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("variants", nargs="*", default=[""])
     args = ap.parse_args()
-    import cupy as cp
+    bad = ([f"--tokens {m}" for m in args.tokens + args.check_tokens if not 1 <= m <= 8]
+           + ([f"--pos {args.pos}"] if not 0 <= args.pos < P else [])
+           + ([f"--layers {args.layers}"] if args.layers < 1 else [])
+           + ([f"--iters {args.iters}"] if args.iters < 1 else []))
+    if bad:
+        print(f"probe_step: out of range (tokens 1..8, pos 0..{P - 1}, layers and iters >= 1): {', '.join(bad)}",
+              file=sys.stderr)
+        return 2
+    try:
+        import cupy as cp
+        cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no CuPy, no driver or no GPU: the same answer
+        print(f"probe_step: needs a GPU with CuPy (pip install -e '.[cuda]'): {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 2
 
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     result = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "sms": sms, "pos": args.pos,
