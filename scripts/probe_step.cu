@@ -17,8 +17,9 @@
 // on a barrier); each chunk of weights is added to all M tokens. A
 // phase's input (M vectors of D) is staged per block in shared memory in
 // the lane-major order of V = 8, normalised there for RMSNorm phases;
-// down's input (M vectors of F) is staged in K-slices of PS_SL chunk steps,
-// double-buffered, every warp of a block going through the slices in step.
+// down's input (M vectors of F) is copied with cp.async in K-slices of
+// PS_SL chunk steps into two buffers, the next slice while the current one
+// is added, every warp of a block going through the slices in step.
 // No tile, slice or split depends on M. Weights
 // are lane-major with V = 8 (node/reference.py lane_major); gate/up rows
 // interleaved (gate j, up j). Attention: four blocks per query head, each
