@@ -10,14 +10,21 @@ if [ "$PORT" = 0 ]; then   # serve would listen on a free port, but the client b
     echo "quickstart: BITEXACT_PORT=0 is not supported here: name a free port" >&2
     exit 2
 fi
+# The key and the store go together: serve refuses a store that another key signed,
+# so a new key needs a new quickstart/ (checked before the set-up, which takes time).
+START_OVER="move the quickstart folder aside (or remove it) to start over with a new key"
+if [ -f quickstart/node.pem ] && [ ! -f quickstart/node.pub.pem ]; then
+    echo "quickstart: quickstart/node.pub.pem is missing beside quickstart/node.pem; $START_OVER" >&2
+    exit 2
+fi
+if [ ! -f quickstart/node.pem ] && { [ -e quickstart/node.pub.pem ] || [ -e quickstart/data ]; }; then
+    echo "quickstart: quickstart/node.pem is missing but the old key's quickstart/node.pub.pem or store quickstart/data/ is left; $START_OVER" >&2
+    exit 2
+fi
 bash scripts/setup.sh
 . .venv/bin/activate
 mkdir -p quickstart
 [ -f quickstart/node.pem ] || bitexact keygen --out quickstart/node.pem
-if [ ! -f quickstart/node.pub.pem ]; then
-    echo "quickstart: quickstart/node.pub.pem is missing beside quickstart/node.pem; remove quickstart/node.pem to make a new key" >&2
-    exit 2
-fi
 bitexact serve --key quickstart/node.pem --data-dir quickstart/data --port "$PORT" > quickstart/serve.log 2>&1 &
 SERVER=$!
 trap 'rc=$?; kill -TERM $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; exit $rc' EXIT

@@ -91,6 +91,30 @@ def test_quickstart_refuses_port_0_before_setup(tmp_path):
     assert listing(copy) == ["scripts"]
 
 
+@pytest.mark.parametrize("left", [["node.pem"], ["node.pub.pem"], ["data"], ["node.pub.pem", "data"]])
+def test_quickstart_refuses_a_half_kept_key_before_setup(tmp_path, left):
+    """A key without its public key, or the old key's public key or store without
+    the key (a new key could not serve from that store): one line naming the way
+    out, exit 2, before setup or any file is written."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    copy = tmp_path / "repo"
+    (copy / "scripts").mkdir(parents=True)
+    shutil.copy(os.path.join(root, "scripts", "quickstart.sh"), copy / "scripts")
+    qs = copy / "quickstart"
+    qs.mkdir()
+    for name in left:
+        if name == "data":
+            (qs / name).mkdir()
+        else:
+            write(qs / name, b"")
+    p = subprocess.run(["bash", str(copy / "scripts" / "quickstart.sh")], env={**os.environ, "BITEXACT_PORT": "18931"},
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, (p.returncode, p.stderr)
+    assert "move the quickstart folder aside" in p.stderr, p.stderr
+    assert listing(copy) == ["quickstart", "scripts"] and listing(qs) == sorted(left)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--url", "http://[::1"], "is not a URL"), (["--url", "http://127.0.0.1:99999"], "is not a URL"),
     (["--url", ""], "must be http"), (["--url", "localhost:8420"], "must be http"),
