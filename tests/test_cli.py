@@ -668,6 +668,8 @@ def test_verify_ok(art, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("OK")
     assert art.payload["output"]["digest"].hex() in lines[0]
     assert f"{len(art.payload['output']['tokens'])} tokens" in lines[0]
+    # without --trusted-key any valid signer passes: the line names it and says no key was checked
+    assert lines[0].endswith(f", signed by key {art.payload['signer']['key_id']} (no --trusted-key given)"), lines[0]
     assert p.stderr == ""
     assert listing(tmp_path) == ["a.bxa"]
 
@@ -678,6 +680,7 @@ def test_verify_ok_with_the_signers_trusted_key(art, tmp_path):
     rep = json.loads(p.stdout)
     assert rep["result"] == "OK" and rep["message"].startswith("OK")
     assert rep["key_id"] == art.payload["signer"]["key_id"]
+    assert rep["message"].endswith(f", signed by the trusted key {rep['key_id']}"), rep["message"]
     assert rep["first_divergent_step"] is None
 
 

@@ -99,7 +99,10 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
     if differ:
         return Report(False, payload, f"FAIL: every step matched but the output differs in: {', '.join(differ)}")
     n = len(res.tokens)
-    return Report(True, payload, f"OK: {n} token{'' if n == 1 else 's'} reproduced, output digest {res.digest.hex()}")
+    signer = payload["signer"]["key_id"]
+    by = f"the trusted key {signer}" if trusted_key is not None else f"key {signer} (no --trusted-key given)"
+    return Report(True, payload, f"OK: {n} token{'' if n == 1 else 's'} reproduced, output digest "
+                                 f"{res.digest.hex()}, signed by {by}")
 
 
 def _divergence(payload: dict, i: int, et: int | None, gt: int | None) -> Report:
