@@ -78,6 +78,18 @@ def _check_replaceable(path: str, args) -> None:
             raise RequestError(f"refusing to replace {path}: it is the {flag} file")
 
 
+def _unique_names(pairs: list) -> dict:
+    """``json.loads``' object hook for ``run --chat``: a name given twice in one object is
+    refused (Python would keep the last value silently; the daemon answers such a body 400)."""
+    seen = set()
+    for name, _ in pairs:
+        if name in seen:
+            raise RequestError(f"--chat: the name {name!r} appears twice in one JSON object (RFC 8259 section 4)",
+                               "messages")
+        seen.add(name)
+    return dict(pairs)
+
+
 def resolve_device(name: str) -> str:
     """``auto`` -> ``cuda`` when CuPy sees a GPU, else ``cpu``."""
     if name != "auto":
@@ -220,6 +232,8 @@ def cmd_run(args) -> int:
             messages = json.loads(args.chat) if args.chat.lstrip().startswith("[") else None
         except (ValueError, RecursionError):   # bad JSON, too deep, an integer too long to convert
             messages = None
+        if messages is not None:   # JSON: read again refusing a name given twice, as the daemon does
+            messages = json.loads(args.chat, object_pairs_hook=_unique_names)
         if messages is None:
             messages = [{"role": "user", "content": args.chat}]
     else:

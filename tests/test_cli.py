@@ -368,6 +368,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--chat", "[1]"], "chat message"),
     (["--chat", "[]"], "non-empty"),
     (["--chat", '[{"role": "user", "content": 1}]'], "chat message"),
+    (["--chat", '[{"role": "user", "content": "a", "content": "b"}]'], "'content' appears twice"),   # not the last
+    (["--chat", '[{"role": "user", "role": "user", "content": "a"}]'], "'role' appears twice"),
     (["--chat", "[" * 100000], "context holds"),        # not JSON: one user message, far too long
     (["--prompt", "hi", "--model", "/no/such/model.gguf"], "not found"),
     (["--prompt", "hi", "--model", "/"], "not a regular file"),
