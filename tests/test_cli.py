@@ -110,6 +110,23 @@ def test_loadtest_refuses_bad_arguments_before_any_request(tmp_path, args, needl
     assert p.stderr.startswith("loadtest: ") and needle in p.stderr and p.stdout == "", p.stderr
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "/no/such/model.gguf"], "model file not found"), (["--model", "/dev/null"], "not a regular file"),
+    (["--threads", "0"], "--threads"), (["--tokens", "0"], "--tokens"), (["--tokens", "x"], "--tokens"),
+    (["--prompt", ""], "encodes to no tokens"), (["--prompt", "\x04"], "encodes to no tokens"),
+    (["--tokens", "9000"], "do not fit the context of 8192 tokens")])
+def test_bench_cpu_refuses_bad_arguments_in_one_line(args, needle):
+    """A missing model, an empty prompt or one the context cannot hold with --tokens: exit 2
+    and one line, before anything runs, not a traceback from the engine (exit 1)."""
+    import subprocess
+    from test_attest import cli_env
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_cpu.py"), *args],
+                       env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, (p.returncode, p.stderr)
+    assert p.stderr.startswith("bench_cpu: error: ") and needle in p.stderr and p.stdout == "", p.stderr
+
+
 def test_loadtest_removes_the_daemons_key_and_store(tmp_path):
     """The daemon loadtest starts gets a key and a store in a temporary folder, removed
     at exit (here: the daemon refuses a model without a tokenizer, exit 2)."""
