@@ -26,6 +26,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -58,10 +59,21 @@ def check_url(url: str) -> None:
 
 
 def check_report_path(path: str) -> None:
-    """Refuse (exit 2) a ``--json`` path that cannot be written, before the load test runs."""
+    """Refuse (exit 2) a ``--json`` path that cannot be written, before the load test runs,
+    or that names something other than a regular file: the report replaces what is there
+    (a rename), so a device such as /dev/null, a FIFO or a symbolic link would be replaced."""
     folder = os.path.dirname(path) or "."
     if not path or os.path.isdir(path) or not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
         fail(f"--json {path!r}: not a file in a writable folder")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        fail(f"--json {path!r}: {e.strerror or e}")
+    if not stat.S_ISREG(st.st_mode):
+        fail(f"--json {path!r}: refusing to replace it: it is "
+             f"{'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a regular file'}")
 
 
 def requests_pool(rng: random.Random, max_tokens: int) -> list[dict]:

@@ -95,19 +95,25 @@ def test_quickstart_refuses_port_0_before_setup(tmp_path):
     (["--url", "http://[::1"], "is not a URL"), (["--url", "http://127.0.0.1:99999"], "is not a URL"),
     (["--url", ""], "must be http"), (["--url", "localhost:8420"], "must be http"),
     (["--url", "http://127.0.0.1:1", "--json", "{tmp}/no/such/folder/r.json"], "--json"),
-    (["--url", "http://127.0.0.1:1", "--json", "{tmp}"], "--json"), (["--requests", "x"], "--requests")])
+    (["--url", "http://127.0.0.1:1", "--json", "{tmp}"], "--json"), (["--requests", "x"], "--requests"),
+    (["--url", "http://127.0.0.1:1", "--json", "{tmp}/fifo"], "--json"),     # replaced by a rename, as /dev/null
+    (["--url", "http://127.0.0.1:1", "--json", "{tmp}/link"], "--json")])    # would be
 def test_loadtest_refuses_bad_arguments_before_any_request(tmp_path, args, needle):
     """A bad --url or an unwritable --json: exit 2 and one line, before any daemon
     starts or any request is sent (not a traceback, exit 1 as for differing digests,
     after the whole run, nor an empty --url taken as no --url)."""
     import subprocess
     from test_attest import cli_env
+    os.mkfifo(tmp_path / "fifo")
+    write(tmp_path / "target.json", b"kept")
+    os.symlink("target.json", tmp_path / "link")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, os.path.join(root, "scripts", "loadtest.py"),
                         *(a.replace("{tmp}", str(tmp_path)) for a in args)],
                        env=cli_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, (p.returncode, p.stderr)
     assert p.stderr.startswith("loadtest: ") and needle in p.stderr and p.stdout == "", p.stderr
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and os.path.islink(tmp_path / "link")
 
 
 @pytest.mark.parametrize("args, needle", [
