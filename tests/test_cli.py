@@ -133,6 +133,51 @@ def test_bench_cpu_refuses_bad_arguments_in_one_line(args, needle):
     assert p.stderr.startswith("bench_cpu: error: ") and needle in p.stderr and p.stdout == "", p.stderr
 
 
+@pytest.mark.parametrize("models, needle", [([], "it lists no model"),
+                                             ([{"id": "m", "object": "model", "created": 0, "owned_by": "x"}],
+                                              "its answer carries no attestation")])
+def test_loadtest_against_a_server_that_is_not_a_node(models, needle):
+    """--url naming another OpenAI-compatible server: exit 2 and one line, not a traceback
+    with exit 1, which says that a digest differs."""
+    import subprocess
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from test_attest import cli_env
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send({"object": "list", "data": models})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._send({"id": "x", "object": "text_completion", "created": 0, "model": "m",
+                        "choices": [{"index": 0, "text": "hi", "finish_reason": "length", "logprobs": None}]})
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        p = subprocess.run([sys.executable, os.path.join(root, "scripts", "loadtest.py"), "--url",
+                            f"http://127.0.0.1:{server.server_port}", "--requests", "1", "--max-tokens", "1"],
+                           env=cli_env(), capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, (p.returncode, p.stderr)
+    assert p.stderr.startswith("loadtest: ") and "not a bitexact node: " + needle in p.stderr, p.stderr
+
+
 def test_loadtest_removes_the_daemons_key_and_store(tmp_path):
     """The daemon loadtest starts gets a key and a store in a temporary folder, removed
     at exit (here: the daemon refuses a model without a tokenizer, exit 2)."""
