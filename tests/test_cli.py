@@ -514,6 +514,18 @@ def test_run_chat_list_with_an_unconvertible_integer_is_one_user_message(art, cw
     assert listing(cwd) == []
 
 
+def test_run_chat_json_nested_near_the_recursion_limit_is_never_a_traceback(art, cwd):
+    """Checking --chat's JSON for a name given twice must not make it nest less deep than
+    before: at every depth around Python's recursion limit it is a list that is refused or
+    text that is one user message (here the missing model stops it), never a traceback."""
+    for depth in range(960, 1001):
+        p = bx(cwd, "run", "--key", art.key, "--chat", "[" * depth + "{}" + "]" * depth,
+               "--model", "/no/such/model.gguf", "--device", "cpu")
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (depth, p.stderr[-300:])
+        assert "chat message" in p.stderr or "not found" in p.stderr, (depth, p.stderr)
+    assert listing(cwd) == []
+
+
 def test_run_with_explicit_attestation_path_writes_nothing_on_failure(art, cwd):
     p = bx(cwd, "run", "--key", art.key, "--prompt", "hi", "--top-p", "0", "--attestation", "out.bxa",
            "--device", "cpu")
