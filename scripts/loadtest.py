@@ -9,7 +9,8 @@ must be 0). Starts its own daemon unless ``--url`` is given.
     python scripts/loadtest.py --requests 200 --concurrency 32 [--device cpu|cuda] [--url http://127.0.0.1:8420]
 
 Exit status: 0 when no digest differs, 1 when one does, 2 for bad arguments or
-a daemon that fails, refuses a request or cannot be reached (one line on stderr),
+a daemon that fails, refuses a request, cannot be reached or is not a bitexact node
+(its answers carry no attestation) (one line on stderr),
 128 + N when stopped by signal N (SIGINT, SIGTERM, SIGHUP). The daemon it
 starts stops with it, even when it is killed (SIGKILL: the daemon gets SIGTERM
 from the kernel, Linux ``PR_SET_PDEATHSIG``).
@@ -26,6 +27,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -58,10 +60,21 @@ def check_url(url: str) -> None:
 
 
 def check_report_path(path: str) -> None:
-    """Refuse (exit 2) a ``--json`` path that cannot be written, before the load test runs."""
+    """Refuse (exit 2) a ``--json`` path that cannot be written, before the load test runs,
+    or that names something other than a regular file: the report replaces what is there
+    (a rename), so a device such as /dev/null, a FIFO or a symbolic link would be replaced."""
     folder = os.path.dirname(path) or "."
     if not path or os.path.isdir(path) or not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
         fail(f"--json {path!r}: not a file in a writable folder")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        fail(f"--json {path!r}: {e.strerror or e}")
+    if not stat.S_ISREG(st.st_mode):
+        fail(f"--json {path!r}: refusing to replace it: it is "
+             f"{'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a regular file'}")
 
 
 def requests_pool(rng: random.Random, max_tokens: int) -> list[dict]:
@@ -73,6 +86,10 @@ def requests_pool(rng: random.Random, max_tokens: int) -> list[dict]:
     return pool
 
 
+class NotANode(Exception):
+    """An answer without a bitexact attestation: the --url server is another kind."""
+
+
 def call(client, model: str, r: dict) -> tuple[str, float]:
     t0 = time.perf_counter()
     kw = {"max_tokens": r["max_tokens"], "temperature": r.get("temperature", 0.0)}
@@ -82,7 +99,10 @@ def call(client, model: str, r: dict) -> tuple[str, float]:
         out = client.completions.create(model=model, prompt=r["prompt"], **kw)
     else:
         out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": r["prompt"]}], **kw)
-    return out.model_extra["attestation"]["output_digest"], time.perf_counter() - t0
+    att = (out.model_extra or {}).get("attestation")
+    if not (isinstance(att, dict) and isinstance(att.get("output_digest"), str)):
+        raise NotANode("its answer carries no attestation")
+    return att["output_digest"], time.perf_counter() - t0
 
 
 def _stop_with_parent() -> None:
@@ -162,7 +182,10 @@ def main() -> int:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
         rng = random.Random(args.seed)
         pool = requests_pool(rng, args.max_tokens)
-        model = client.models.list().data[0].id  # the one model the node serves
+        listed = client.models.list().data
+        if not listed:
+            raise NotANode("it lists no model")
+        model = listed[0].id  # the one model the node serves
         solo = {i: call(client, model, r)[0] for i, r in enumerate(pool)}
         picks = [rng.randrange(len(pool)) for _ in range(args.requests)]
         t0 = time.perf_counter()
@@ -188,6 +211,8 @@ def main() -> int:
         return 0 if differ == 0 else 1
     except openai.APIError as e:     # the daemon refused a request or cannot be reached
         fail(f"{url}: {type(e).__name__}: {e}")
+    except NotANode as e:            # not exit 1, which says that a digest differs
+        fail(f"{url}: not a bitexact node: {e}")
     finally:
         if proc is not None:
             proc.terminate()

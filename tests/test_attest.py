@@ -334,6 +334,34 @@ def test_an_attestation_no_reader_accepts_is_never_sealed(art, monkeypatch):
         envelope.seal(art.payload, art.private_key())
 
 
+def _chat_payload(art, n: int) -> dict:
+    p = copy.deepcopy(art.payload)
+    p["request"]["mode"], p["request"]["messages"] = "chat", [{"role": "user", "content": ""}] * n
+    return p
+
+
+def test_a_payload_with_more_maps_than_a_reader_counts_is_never_sealed(art):
+    """One chat message is one map of the payload: with more than MAX_CONTAINERS arrays and
+    maps in all (a chat template that renders few of them keeps the prompt short), no reader
+    would open the file, so seal refuses it; at the limit it opens."""
+    from node.generate import MAX_MESSAGES
+    blob = envelope.seal(_chat_payload(art, MAX_MESSAGES), art.private_key())
+    assert len(envelope.open_envelope(blob)["request"]["messages"]) == MAX_MESSAGES
+    with pytest.raises(AttestationError, match="holds more than 65536 arrays and maps.*which no reader accepts"):
+        envelope.seal(_chat_payload(art, MAX_MESSAGES + 1), art.private_key())
+
+
+def test_a_request_with_more_chat_messages_than_an_attestation_holds_is_refused():
+    """Refused before it runs (the daemon: a 400), not after, when it could not be attested."""
+    from node.errors import RequestError
+    from node.generate import MAX_MESSAGES, Request
+    Request(messages=[{"role": "user", "content": "hi"}] * MAX_MESSAGES).validate()
+    with pytest.raises(RequestError, match=f"^a request may have at most {MAX_MESSAGES} chat messages, "
+                                           f"got {MAX_MESSAGES + 1}$") as e:
+        Request(messages=[{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)).validate()
+    assert e.value.param == "messages"
+
+
 def test_resealed_by_the_same_key_passes_the_signature_check(art):
     p = copy.deepcopy(art.payload)
     p["output"]["tokens"][1] += 1

@@ -119,19 +119,87 @@ def test_quickstart_refuses_a_half_kept_key_before_setup(tmp_path, left):
     (["--url", "http://[::1"], "is not a URL"), (["--url", "http://127.0.0.1:99999"], "is not a URL"),
     (["--url", ""], "must be http"), (["--url", "localhost:8420"], "must be http"),
     (["--url", "http://127.0.0.1:1", "--json", "{tmp}/no/such/folder/r.json"], "--json"),
-    (["--url", "http://127.0.0.1:1", "--json", "{tmp}"], "--json"), (["--requests", "x"], "--requests")])
+    (["--url", "http://127.0.0.1:1", "--json", "{tmp}"], "--json"), (["--requests", "x"], "--requests"),
+    (["--url", "http://127.0.0.1:1", "--json", "{tmp}/fifo"], "--json"),     # replaced by a rename, as /dev/null
+    (["--url", "http://127.0.0.1:1", "--json", "{tmp}/link"], "--json")])    # would be
 def test_loadtest_refuses_bad_arguments_before_any_request(tmp_path, args, needle):
     """A bad --url or an unwritable --json: exit 2 and one line, before any daemon
     starts or any request is sent (not a traceback, exit 1 as for differing digests,
     after the whole run, nor an empty --url taken as no --url)."""
     import subprocess
     from test_attest import cli_env
+    os.mkfifo(tmp_path / "fifo")
+    write(tmp_path / "target.json", b"kept")
+    os.symlink("target.json", tmp_path / "link")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.run([sys.executable, os.path.join(root, "scripts", "loadtest.py"),
                         *(a.replace("{tmp}", str(tmp_path)) for a in args)],
                        env=cli_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, (p.returncode, p.stderr)
     assert p.stderr.startswith("loadtest: ") and needle in p.stderr and p.stdout == "", p.stderr
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and os.path.islink(tmp_path / "link")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "/no/such/model.gguf"], "model file not found"), (["--model", "/dev/null"], "not a regular file"),
+    (["--threads", "0"], "--threads"), (["--tokens", "0"], "--tokens"), (["--tokens", "x"], "--tokens"),
+    (["--prompt", ""], "encodes to no tokens"), (["--prompt", "\x04"], "encodes to no tokens"),
+    (["--tokens", "9000"], "do not fit the context of 8192 tokens")])
+def test_bench_cpu_refuses_bad_arguments_in_one_line(args, needle):
+    """A missing model, an empty prompt or one the context cannot hold with --tokens: exit 2
+    and one line, before anything runs, not a traceback from the engine (exit 1)."""
+    import subprocess
+    from test_attest import cli_env
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_cpu.py"), *args],
+                       env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, (p.returncode, p.stderr)
+    assert p.stderr.startswith("bench_cpu: error: ") and needle in p.stderr and p.stdout == "", p.stderr
+
+
+@pytest.mark.parametrize("models, needle", [([], "it lists no model"),
+                                             ([{"id": "m", "object": "model", "created": 0, "owned_by": "x"}],
+                                              "its answer carries no attestation")])
+def test_loadtest_against_a_server_that_is_not_a_node(models, needle):
+    """--url naming another OpenAI-compatible server: exit 2 and one line, not a traceback
+    with exit 1, which says that a digest differs."""
+    import subprocess
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from test_attest import cli_env
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send({"object": "list", "data": models})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._send({"id": "x", "object": "text_completion", "created": 0, "model": "m",
+                        "choices": [{"index": 0, "text": "hi", "finish_reason": "length", "logprobs": None}]})
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        p = subprocess.run([sys.executable, os.path.join(root, "scripts", "loadtest.py"), "--url",
+                            f"http://127.0.0.1:{server.server_port}", "--requests", "1", "--max-tokens", "1"],
+                           env=cli_env(), capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, (p.returncode, p.stderr)
+    assert p.stderr.startswith("loadtest: ") and "not a bitexact node: " + needle in p.stderr, p.stderr
 
 
 def test_loadtest_removes_the_daemons_key_and_store(tmp_path):
@@ -392,6 +460,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--chat", "[1]"], "chat message"),
     (["--chat", "[]"], "non-empty"),
     (["--chat", '[{"role": "user", "content": 1}]'], "chat message"),
+    (["--chat", '[{"role": "user", "content": "a", "content": "b"}]'], "'content' appears twice"),   # not the last
+    (["--chat", '[{"role": "user", "role": "user", "content": "a"}]'], "'role' appears twice"),
     (["--chat", "[" * 100000], "context holds"),        # not JSON: one user message, far too long
     (["--prompt", "hi", "--model", "/no/such/model.gguf"], "not found"),
     (["--prompt", "hi", "--model", "/"], "not a regular file"),
@@ -465,6 +535,18 @@ def test_run_chat_list_with_an_unconvertible_integer_is_one_user_message(art, cw
     p = bx(cwd, "run", "--key", art.key, "--chat", "[" + "9" * 5000 + "]", "--ctx", "64", "--max-tokens", "1",
            "--attestation", "a.bxa", "--device", "cpu")
     assert "context" in assert_input_error(p)
+    assert listing(cwd) == []
+
+
+def test_run_chat_json_nested_near_the_recursion_limit_is_never_a_traceback(art, cwd):
+    """Checking --chat's JSON for a name given twice must not make it nest less deep than
+    before: at every depth around Python's recursion limit it is a list that is refused or
+    text that is one user message (here the missing model stops it), never a traceback."""
+    for depth in range(960, 1001):
+        p = bx(cwd, "run", "--key", art.key, "--chat", "[" * depth + "{}" + "]" * depth,
+               "--model", "/no/such/model.gguf", "--device", "cpu")
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (depth, p.stderr[-300:])
+        assert "chat message" in p.stderr or "not found" in p.stderr, (depth, p.stderr)
     assert listing(cwd) == []
 
 
