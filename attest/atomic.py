@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 
 
@@ -24,7 +26,16 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = Tr
     ``overwrite=False`` a failure or an interrupt after the link (the folder's
     fsync) removes ``path`` again, so the call leaves the whole file or nothing;
     a rename cannot be undone, so with ``overwrite=True`` the new file stays.
+    Only a regular file is ever replaced: a symbolic link, device (``/dev/null``),
+    FIFO, socket or folder at ``path`` raises FileExistsError and is left as it is.
     """
+    if overwrite:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise FileExistsError(errno.EEXIST, "not a regular file: refusing to replace it", path)
     folder = os.path.dirname(resolved_path(path))
     tmp, linked = None, False
     try:   # the cleanup knows the temp file once mkstemp returns (an interrupt inside it can still leave one)

@@ -256,8 +256,8 @@ def main() -> int:
             result["runs"].append(run)
             print(run, flush=True)
         del dev
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    from attest.atomic import atomic_write
+    atomic_write(args.out, json.dumps(result, indent=1).encode())
     ok = all(v is True for c in result["check"].values() for k, v in c.items() if k not in ("positions", "seconds"))
     return 0 if ok and all(r["one_logits_digest"] for r in result["runs"]) else 1
 

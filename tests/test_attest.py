@@ -721,6 +721,27 @@ def test_keygen_that_fails_after_a_link_leaves_neither_file(tmp_path, monkeypatc
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "folder"])
+def test_atomic_write_replaces_only_a_regular_file(tmp_path, kind):
+    """A rename over a FIFO, a symbolic link or a device such as /dev/null would
+    replace it with a regular file (a report written to /dev/null by root did):
+    refused, the thing left as it was and no temp file left; a regular file is
+    replaced."""
+    from attest.atomic import atomic_write
+    target = tmp_path / "out.json"
+    {"fifo": lambda: os.mkfifo(target), "symlink": lambda: os.symlink(tmp_path / "elsewhere", target),
+     "folder": lambda: target.mkdir()}[kind]()
+    before = os.lstat(target)
+    with pytest.raises(FileExistsError, match="not a regular file"):
+        atomic_write(str(target), b"{}")
+    after = os.lstat(target)
+    assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino) and os.listdir(tmp_path) == ["out.json"]
+    plain = tmp_path / "plain.json"
+    plain.write_bytes(b"old")
+    atomic_write(str(plain), b"new")
+    assert plain.read_bytes() == b"new"
+
+
 def test_atomic_write_writes_in_the_folder_the_system_resolves(tmp_path, monkeypatch):
     """``link/../x.bxa`` names x.bxa beside the link's target (the system resolves the
     link before ``..``): the temp file is made there, not in a folder found by folding
