@@ -78,19 +78,6 @@ def _check_replaceable(path: str, args) -> None:
             raise RequestError(f"refusing to replace {path}: it is the {flag} file")
 
 
-def _names_twice(found: list):
-    """A ``json.loads`` object hook that appends to ``found`` each name given twice in one
-    object (Python keeps the last value silently). It only records them, so that text which
-    is not JSON after all stays a user message."""
-    def hook(pairs: list) -> dict:
-        d = dict(pairs)
-        if len(d) != len(pairs):
-            seen: set = set()
-            found.extend(name for name, _ in pairs if name in seen or seen.add(name))
-        return d
-    return hook
-
-
 def resolve_device(name: str) -> str:
     """``auto`` -> ``cuda`` when CuPy sees a GPU, else ``cpu``."""
     if name != "auto":
@@ -215,7 +202,7 @@ def cmd_run(args) -> int:
     from attest.atomic import atomic_write
     from attest.envelope import seal
 
-    from .generate import Request, build_request, generate
+    from .generate import DuplicateName, Request, build_request, generate, unique_names
     from .provenance import build_payload
     from .sampler import SamplingParams
 
@@ -229,15 +216,13 @@ def cmd_run(args) -> int:
         _check_replaceable(args.attestation, args)
     key = keys.load_private(args.key, _passphrase(args))
     if args.chat is not None:
-        twice: list[str] = []
         try:   # a JSON list is the messages; any other text is one user message
-            messages = json.loads(args.chat, object_pairs_hook=_names_twice(twice)) \
+            messages = json.loads(args.chat, object_pairs_hook=unique_names) \
                 if args.chat.lstrip().startswith("[") else None
+        except DuplicateName as e:   # the daemon answers such a body 400 too
+            raise RequestError(f"--chat: {e}", "messages") from None
         except (ValueError, RecursionError):   # bad JSON, too deep, an integer too long to convert
             messages = None
-        if messages is not None and twice:   # the daemon answers such a body 400 too
-            raise RequestError(f"--chat: the name {twice[0]!r} appears twice in one JSON object "
-                               f"(RFC 8259 section 4)", "messages")
         if messages is None:
             messages = [{"role": "user", "content": args.chat}]
     else:

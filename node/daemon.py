@@ -34,7 +34,7 @@ from attest.envelope import open_envelope, seal
 from . import __version__
 from .engine import Engine
 from .errors import AttestationError, BitexactError, KeyError_, RequestError, one_line
-from .generate import Request, build_request
+from .generate import Request, build_request, unique_names
 from .provenance import build_payload, device_record
 from .sampler import SamplingParams
 from .scheduler import Draining, QueueFull, Scheduler
@@ -123,19 +123,6 @@ def _not_json(name: str):
     """``json.loads``' hook for NaN, Infinity and -Infinity, which Python accepts and
     RFC 8259 section 6 does not."""
     raise ValueError(f"{name} is not a JSON number (RFC 8259 section 6)")
-
-
-def _unique_keys(pairs: list) -> dict:
-    """``json.loads``' object hook: a name given twice in one object is refused.
-    RFC 8259 section 4 leaves such an object's meaning to the parser (some take
-    the first value, Python the last), so a proxy that checked one value could
-    pass the node a request it runs with the other."""
-    seen = set()
-    for name, _ in pairs:
-        if name in seen:
-            raise ValueError(f"the name {name!r} appears twice in one object (RFC 8259 section 4)")
-        seen.add(name)
-    return dict(pairs)
 
 
 def deliver_to(loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
@@ -464,7 +451,7 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         if coding in CODINGS:
             raw = decode_body(raw, coding, max_body_bytes)
         try:
-            return json.loads(raw.decode("utf-8"), parse_constant=_not_json, object_pairs_hook=_unique_keys)
+            return json.loads(raw.decode("utf-8"), parse_constant=_not_json, object_pairs_hook=unique_names)
         except (ValueError, RecursionError) as e:   # bad JSON, not UTF-8, too deep, too long an integer
             raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
 

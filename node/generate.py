@@ -24,6 +24,23 @@ MAX_STOP_STRINGS = 16  # stop strings of one request (with MAX_STOP_CHARS, bound
 MAX_MESSAGES = MAX_CONTAINERS - 13
 
 
+class DuplicateName(ValueError):
+    """A JSON object that gives one name twice (raised by :func:`unique_names`)."""
+
+
+def unique_names(pairs: list) -> dict:
+    """``json.loads``' object hook: a name given twice in one object raises
+    :class:`DuplicateName`. RFC 8259 section 4 leaves such an object's meaning
+    to the parser (some take the first value, Python the last), so a proxy that
+    checked one value could pass the node a request it runs with the other."""
+    seen = set()
+    for name, _ in pairs:
+        if name in seen:
+            raise DuplicateName(f"the name {name!r} appears twice in one object (RFC 8259 section 4)")
+        seen.add(name)
+    return dict(pairs)
+
+
 @dataclass
 class Request:
     """A completion request. Exactly one of ``prompt`` / ``messages`` is set."""
