@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import tempfile
 from typing import NamedTuple
 
 import numpy as np
@@ -215,6 +216,24 @@ def _nvrtc_compile(name: str, src: str, header: str, options: tuple = COMPILE_OP
         return cubin
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+
+
+def variant_cubin(src_path: str, defines: tuple = ()) -> str:
+    """Path of a cubin of the CUDA source at ``src_path`` (``common.cuh`` from
+    cuda/) compiled with the pinned :data:`COMPILE_OPTIONS` plus ``defines``
+    (``-D`` flags: the tile variants the benchmark scripts time), written to the
+    temporary folder under a name keyed by source and options. Raises
+    :class:`GpuError` on a compile failure, OSError if it cannot be written."""
+    from attest.atomic import atomic_write
+
+    with open(src_path) as f, open(os.path.join(ROOT, "cuda", "common.cuh")) as h:
+        src, header = f.read(), h.read()
+    options = COMPILE_OPTIONS + tuple(defines)
+    key = hashlib.sha256("\0".join((src, header) + options).encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"bitexact-{os.path.basename(src_path)}-{key}.cubin")
+    if not os.path.exists(path):
+        atomic_write(path, _nvrtc_compile(os.path.basename(src_path), src, header, options))
+    return path
 
 
 def load_modules(cupy) -> dict:

@@ -39,15 +39,9 @@ HBM = 4.3e12
 
 
 def compile_variant(cp, defines: list[str]):
-    from node import backend_cuda as bc
+    from node.backend_cuda import variant_cubin
 
-    src = open(os.path.join(ROOT, "scripts", "probe_step.cu")).read()
-    hdr = open(os.path.join(ROOT, "cuda", "common.cuh")).read()
-    cubin = bc._nvrtc_compile("probe_step.cu", src, hdr, bc.COMPILE_OPTIONS + tuple(defines))
-    path = f"/tmp/probe-{abs(hash(tuple(defines)))}.cubin"
-    with open(path, "wb") as f:
-        f.write(cubin)
-    mod = cp.RawModule(path=path)
+    mod = cp.RawModule(path=variant_cubin(os.path.join(ROOT, "scripts", "probe_step.cu"), tuple(defines)))
     fn = mod.get_function("probe_step")
     params = {"PS_WARPS": 16, "PS_STAGES": 6, "PS_TM": 8}
     params.update({d[2:].split("=")[0]: int(d.split("=")[1]) for d in defines})
@@ -191,12 +185,11 @@ def main() -> int:
         print(f"probe_step: out of range (tokens 1..8, pos 0..{P - 1}, layers and iters >= 1): {', '.join(bad)}",
               file=sys.stderr)
         return 2
+    from node.backend_cuda import GpuError, _cupy
     try:
-        import cupy as cp
-        cp.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001 - no CuPy, no driver or no GPU: the same answer
-        print(f"probe_step: needs a GPU with CuPy (pip install -e '.[cuda]'): {type(e).__name__}: {e}",
-              file=sys.stderr)
+        cp = _cupy()
+    except GpuError as e:
+        print(f"probe_step: {e}", file=sys.stderr)
         return 2
 
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]

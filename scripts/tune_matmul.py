@@ -26,7 +26,6 @@ profiler (docs/benchmarks.md has the counters of one such run).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -51,16 +50,9 @@ def compile_variant(cp, kernel: str, tokens: list[str]):
     """(kernel, quantize_q8, module) and the variant's parameters from its -D and split= tokens."""
     from node import backend_cuda as bc
 
-    defines = [t for t in tokens if t.startswith("-D")]
-    root = bc.ROOT
-    src = open(os.path.join(root, "cuda", "matmul.cu")).read()
-    hdr = open(os.path.join(root, "cuda", "common.cuh")).read()
-    cubin = bc._nvrtc_compile("matmul.cu", src, hdr, bc.COMPILE_OPTIONS + tuple(defines))
-    path = f"/tmp/tune-{hashlib.sha256(' '.join(defines).encode()).hexdigest()[:12]}.cubin"
-    with open(path, "wb") as f:
-        f.write(cubin)
+    defines = tuple(t for t in tokens if t.startswith("-D"))
     params = dict(DEFAULTS, **{t.removeprefix("-D").split("=")[0]: int(t.split("=")[1]) for t in tokens})
-    mod = cp.RawModule(path=path)
+    mod = cp.RawModule(path=bc.variant_cubin(os.path.join(bc.ROOT, "cuda", "matmul.cu"), defines))
     return (bc.PdlKernel(mod.get_function(kernel), kernel), bc.PdlKernel(mod.get_function("quantize_q8"), "quantize_q8"),
             mod), params
 

@@ -212,15 +212,16 @@ def test_kernel_digest_covers_sources_launchers_and_options():
     assert sources_sha256([f"cuda/{n}" for n in files], " ".join(COMPILE_OPTIONS).encode()) != want
 
 
-def test_step_probe_compiles_without_atomics(tmp_path):
+def test_step_probe_compiles_without_atomics():
     """scripts/probe_step.cu (the one-launch decode step measured in
     docs/benchmarks.md) keeps the contract's rule: its grid barrier is release
     stores and acquire loads, no atomic in the text or the SASS, and it
     compiles with the node's pinned options."""
+    from node.backend_cuda import variant_cubin
     path = os.path.join(ROOT, "scripts", "probe_step.cu")
-    with open(path) as f, open(os.path.join(CUDA, "common.cuh")) as h:
-        src, header = f.read(), h.read()
-    assert not re.search(r"\batomic\w*\s*\(|\bred\.|\batom\.", src)
-    cubin = tmp_path / "probe.cubin"
-    cubin.write_bytes(_nvrtc_compile("probe_step.cu", src, header))
-    _assert_sass_atomic_free(_sass(cubin))
+    with open(path) as f:
+        assert not re.search(r"\batomic\w*\s*\(|\bred\.|\batom\.", f.read())
+    cubins = {variant_cubin(path), variant_cubin(path, ("-DPS_SL=4",))}   # the defaults and a variant
+    assert len(cubins) == 2 and variant_cubin(path) in cubins   # keyed by the options, found again
+    for cubin in cubins:
+        _assert_sass_atomic_free(_sass(cubin))
