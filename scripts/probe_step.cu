@@ -22,9 +22,10 @@
 // is added, every warp of a block going through the slices in step.
 // No tile, slice or split depends on M. Weights
 // are lane-major with V = 8 (node/reference.py lane_major); gate/up rows
-// interleaved (gate j, up j). Attention: four blocks per query head, each
-// computing every score (a warp per slot, the contract's warp_sum over the
-// head dimension) and a quarter of the output dimensions; the layer's
+// interleaved (gate j, up j). Attention: four blocks per KV head and token,
+// each computing every score of the KV head's query heads (a warp per slot,
+// the contract's warp_sum over the head dimension; each key and value loaded
+// once for the group) and a quarter of the output dimensions; the layer's
 // cached keys and values are hinted into L2 during Q/K/V. Epilogue operands
 // (the residual, the RoPE table row) are loaded before a pair's product.
 // A measurement: the 8B dimensions are compiled in, one tile of tokens,
@@ -45,6 +46,9 @@
 #endif
 #ifndef PS_FENCE
 #define PS_FENCE 0  // 1: also a membar.gl before the release store and after the acquire loads
+#endif
+#ifndef PS_GQA
+#define PS_GQA 1  // one block task per KV head (its query heads together), each key and value loaded once; 0: per query head
 #endif
 #ifndef PS_TM
 #define PS_TM 8  // tokens per tile (at most M)
@@ -286,6 +290,118 @@ __device__ __noinline__ void ps_attention(const PsArgs& a, int layer, int m, int
     __syncthreads();
 }
 
+// The same for the PS_G = 32 / HKV query heads that share KV head kvh (GQA):
+// each key and value loaded once for the group; every head's sums as above.
+#define PS_G (32 / PS_HKV)
+__device__ __noinline__ void ps_attention_gqa(const PsArgs& a, int layer, int m, int kvh, int dq, float* sm) {
+    float* s = sm;                       // [PS_G][SPLIT_KV] scores, then exp terms
+    float* part = s + PS_G * SPLIT_KV;   // [PS_G][32][32] lane partials of the block's 32 output dims
+    float* red = part + PS_G * 32 * 32;  // [PS_WARPS][PS_G], then the PS_G exp sums
+    int L = a.pos[m] + 1, t = threadIdx.x, lane = t & 31, wi = t >> 5;
+    size_t base = ((size_t)((layer * a.M + m) * PS_HKV + kvh) * a.P) * PS_HD;
+    const float* kb = a.kc + base;
+    const float* vb = a.vc + base;
+    float4 q4[PS_G];
+#pragma unroll
+    for (int i = 0; i < PS_G; ++i)
+        q4[i] = __ldcg((const float4*)(a.q + (size_t)m * PS_D + (kvh * PS_G + i) * PS_HD) + lane);
+    constexpr int SW = SPLIT_KV / PS_WARPS / 2;
+    float mx[PS_G];
+#pragma unroll
+    for (int i = 0; i < PS_G; ++i) mx[i] = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float4 k4[SW];
+#pragma unroll
+        for (int k = 0; k < SW; ++k) {
+            int slot = wi + PS_WARPS * (k + SW * half);
+            if (slot < L) k4[k] = __ldcg((const float4*)(kb + (size_t)slot * PS_HD) + lane);
+        }
+#pragma unroll
+        for (int k = 0; k < SW; ++k) {
+            int slot = wi + PS_WARPS * (k + SW * half);
+            if (slot < L) {
+#pragma unroll
+                for (int i = 0; i < PS_G; ++i) {
+                    float acc = 0.0f;
+                    acc = __fadd_rn(acc, __fmul_rn(q4[i].x, k4[k].x));
+                    acc = __fadd_rn(acc, __fmul_rn(q4[i].y, k4[k].y));
+                    acc = __fadd_rn(acc, __fmul_rn(q4[i].z, k4[k].z));
+                    acc = __fadd_rn(acc, __fmul_rn(q4[i].w, k4[k].w));
+                    float sc = __fmul_rn(bx_butterfly(acc), a.scale);
+                    if (lane == 0) s[i * SPLIT_KV + slot] = sc;
+                    mx[i] = fmaxf(mx[i], sc);
+                }
+            }
+        }
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int i = 0; i < PS_G; ++i) red[wi * PS_G + i] = mx[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < PS_G; ++i) {
+        mx[i] = red[i];
+        for (int w = 1; w < PS_WARPS; ++w) mx[i] = fmaxf(mx[i], red[w * PS_G + i]);
+    }
+    for (int i = t; i < PS_G * SPLIT_KV; i += blockDim.x) {
+        int h = i / SPLIT_KV, slot = i - h * SPLIT_KV;
+        float mh = mx[0];
+#pragma unroll
+        for (int g = 1; g < PS_G; ++g)
+            if (h == g) mh = mx[g];
+        if (slot < L) s[i] = bx_exp32(__fsub_rn(s[i], mh));
+    }
+    __syncthreads();
+    for (int i0 = t; i0 < 32 * 32; i0 += 2 * blockDim.x) {
+        float vv[2][8];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            int i = i0 + u * blockDim.x, c = i >> 5, d = 32 * dq + (i & 31);
+#pragma unroll
+            for (int k = 0; k < 8; ++k)
+                vv[u][k] = i < 32 * 32 && 8 * c + k < L ? __ldcg(vb + (size_t)(8 * c + k) * PS_HD + d) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            int i = i0 + u * blockDim.x, c = i >> 5;
+            if (i >= 32 * 32) break;
+#pragma unroll
+            for (int h = 0; h < PS_G; ++h) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    if (8 * c + k < L) acc = __fadd_rn(acc, __fmul_rn(s[h * SPLIT_KV + 8 * c + k], vv[u][k]));
+                part[h * 1024 + i] = acc;
+            }
+        }
+    }
+    if (wi < PS_G) {  // head wi's exp sum: lane owns slots 8 lane .. 8 lane + 7
+        float acc = 0.0f;
+        for (int k = 0; k < 8; ++k)
+            if (8 * lane + k < L) acc = __fadd_rn(acc, s[wi * SPLIT_KV + 8 * lane + k]);
+        acc = bx_butterfly(acc);
+        if (lane == 0) red[PS_WARPS * PS_G + wi] = acc;
+    }
+    __syncthreads();
+    if (t < 32 * PS_G) {
+        int h = t >> 5, d = t & 31;
+        float p[32];
+#pragma unroll
+        for (int c = 0; c < 32; ++c) p[c] = part[h * 1024 + c * 32 + d];
+        float o = bx_tree<32>(p);
+        float mh = mx[0];
+#pragma unroll
+        for (int g = 1; g < PS_G; ++g)
+            if (h == g) mh = mx[g];
+        float w = bx_exp32(__fsub_rn(mh, mh));  // the one split's weight against the maximum over splits
+        float big_l = __fadd_rn(0.0f, __fmul_rn(red[PS_WARPS * PS_G + h], w));
+        float big_o = __fadd_rn(0.0f, __fmul_rn(o, w));
+        a.att[(size_t)m * PS_D + (kvh * PS_G + h) * PS_HD + 32 * dq + d] = __fdiv_rn(big_o, big_l);
+    }
+    __syncthreads();
+}
+
 // Token t's value of a per-token array held in registers (t is a lane index).
 __device__ __forceinline__ float ps_pick(const float (&v)[PS_TM], int t) {
     float r = 0.0f;
@@ -414,8 +530,13 @@ extern "C" __global__ void __launch_bounds__(32 * PS_WARPS, 1) probe_step(unsign
             }
         }
         { ps_barrier(a.flags, ++e); ps_time(a, e - epoch0); }
+#if PS_GQA
+        for (int task = blockIdx.x; task < M * PS_HKV * 4; task += gridDim.x)
+            ps_attention_gqa(a, layer, task / (PS_HKV * 4), (task >> 2) % PS_HKV, task & 3, xs);
+#else
         for (int task = blockIdx.x; task < M * 128; task += gridDim.x)
             ps_attention(a, layer, task >> 7, (task >> 2) & 31, task & 3, xs);
+#endif
         // O and the residual
         { ps_barrier(a.flags, ++e); ps_time(a, e - epoch0); }
         ps_stage<false>(xs, red, a.att, nullptr, 0.0f, M);

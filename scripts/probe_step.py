@@ -10,7 +10,7 @@ compares every intermediate (queries after RoPE, the K and V written to the
 cache, the attention output, both residuals, the SiLU gate, the logits)
 byte for byte with node/reference.py; then, for each ``--tokens`` count and
 each variant of the kernel's ``-D`` constants (PS_STAGES, PS_SL, PS_SR,
-PS_FENCE), it times the full depth (20 launches after 3 untimed ones, CUDA
+PS_FENCE, PS_GQA), it times the full depth (20 launches after 3 untimed ones, CUDA
 events) and checks that every launch gave the same logits bytes. Roofline:
 weight bytes ÷ 4.3 TB/s. Exit status 0 only when every check and every
 digest held.
@@ -174,6 +174,7 @@ def main() -> int:
                     help="token counts M (1..8) to time, comma-separated")
     ap.add_argument("--check-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[1, 3, 8],
                     help="token counts checked against the numpy engine")
+    ap.add_argument("--check-variant", default="", help="the -D flags of the variant checked (default: none)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("variants", nargs="*", default=[""])
     args = ap.parse_args()
@@ -196,7 +197,8 @@ def main() -> int:
     result = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "sms": sms, "pos": args.pos,
               "check": {}, "runs": []}
     # 1. bytes against the numpy engine: one layer and the LM head, at each checked token count
-    fn, mod, params, smem = compile_variant(cp, [])
+    fn, mod, params, smem = compile_variant(cp, args.check_variant.split())
+    result["check_variant"] = args.check_variant
     model = Model(cp, 1, keep_host=True)
     for m in args.check_tokens:
         host, dev = run_setup(cp, model, 1, positions(m, args.pos))
