@@ -47,9 +47,6 @@
 #ifndef PS_FENCE
 #define PS_FENCE 0  // 1: also a membar.gl before the release store and after the acquire loads
 #endif
-#ifndef PS_GQA
-#define PS_GQA 1  // one block task per KV head (its query heads together), each key and value loaded once; 0: per query head
-#endif
 #ifndef PS_TM
 #define PS_TM 8  // tokens per tile (at most M)
 #endif
@@ -204,96 +201,12 @@ __device__ __forceinline__ void ps_slice_copy(float* buf, const float* act, int 
     asm volatile("cp.async.commit_group;");
 }
 
-// Decode attention of token m's query head hq at its position (one split:
-// pos < SPLIT_KV), output dimensions 32 dq .. 32 dq + 31; node/reference.py
-// attention; run by one block.
-__device__ __noinline__ void ps_attention(const PsArgs& a, int layer, int m, int hq, int dq, float* sm) {
-    float* s = sm;                  // [SPLIT_KV] scores, then exp terms
-    float* part = s + SPLIT_KV;     // [32][32] lane partials of the block's 32 output dims
-    float* red = part + 32 * 32;    // [PS_WARPS + 1]
-    int kvh = hq / (32 / PS_HKV), L = a.pos[m] + 1, t = threadIdx.x;
-    size_t base = ((size_t)((layer * a.M + m) * PS_HKV + kvh) * a.P) * PS_HD;
-    const float* kb = a.kc + base;
-    const float* vb = a.vc + base;
-    int lane = t & 31, wi = t >> 5;
-    float4 q4 = __ldcg((const float4*)(a.q + (size_t)m * PS_D + hq * PS_HD) + lane);  // dims 4 lane .. 4 lane + 3
-    constexpr int SW = SPLIT_KV / PS_WARPS / 2;  // slots per warp and round: wi + PS_WARPS k
-    float mx = -__int_as_float(0x7f800000);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float4 k4[SW];
-#pragma unroll
-        for (int k = 0; k < SW; ++k) {
-            int slot = wi + PS_WARPS * (k + SW * half);
-            if (slot < L) k4[k] = __ldcg((const float4*)(kb + (size_t)slot * PS_HD) + lane);
-        }
-#pragma unroll
-        for (int k = 0; k < SW; ++k) {
-            int slot = wi + PS_WARPS * (k + SW * half);
-            if (slot < L) {  // warp_sum over HD: lane sums its 4 dims, then the butterfly
-                float acc = 0.0f;
-                acc = __fadd_rn(acc, __fmul_rn(q4.x, k4[k].x));
-                acc = __fadd_rn(acc, __fmul_rn(q4.y, k4[k].y));
-                acc = __fadd_rn(acc, __fmul_rn(q4.z, k4[k].z));
-                acc = __fadd_rn(acc, __fmul_rn(q4.w, k4[k].w));
-                float sc = __fmul_rn(bx_butterfly(acc), a.scale);
-                if (lane == 0) s[slot] = sc;
-                mx = fmaxf(mx, sc);
-            }
-        }
-    }
-    if (lane == 0) red[wi] = mx;
-    __syncthreads();
-    mx = red[0];
-    for (int i = 1; i < PS_WARPS; ++i) mx = fmaxf(mx, red[i]);
-    if (t < L) s[t] = bx_exp32(__fsub_rn(s[t], mx));
-    __syncthreads();
-    // output partials: item (c, d) sums lane c's slots 8c .. 8c + 7; loads first, in flight together
-    for (int i0 = t; i0 < 32 * 32; i0 += 2 * blockDim.x) {
-        float vv[2][8];
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            int i = i0 + u * blockDim.x, c = i >> 5, d = 32 * dq + (i & 31);
-#pragma unroll
-            for (int k = 0; k < 8; ++k)
-                vv[u][k] = i < 32 * 32 && 8 * c + k < L ? __ldcg(vb + (size_t)(8 * c + k) * PS_HD + d) : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            int i = i0 + u * blockDim.x, c = i >> 5;
-            if (i >= 32 * 32) break;
-            float acc = 0.0f;
-#pragma unroll
-            for (int k = 0; k < 8; ++k)
-                if (8 * c + k < L) acc = __fadd_rn(acc, __fmul_rn(s[8 * c + k], vv[u][k]));
-            part[i] = acc;
-        }
-    }
-    if (t < 32) {  // the exp terms' sum: lane t owns slots 8t .. 8t + 7
-        float acc = 0.0f;
-        for (int k = 0; k < 8; ++k)
-            if (8 * t + k < L) acc = __fadd_rn(acc, s[8 * t + k]);
-        acc = bx_butterfly(acc);
-        if (t == 0) red[PS_WARPS] = acc;
-    }
-    __syncthreads();
-    if (t < 32) {
-        float p[32];
-#pragma unroll
-        for (int c = 0; c < 32; ++c) p[c] = part[c * 32 + t];
-        float o = bx_tree<32>(p);
-        float w = bx_exp32(__fsub_rn(mx, mx));  // the one split's weight against the maximum over splits
-        float big_l = __fadd_rn(0.0f, __fmul_rn(red[PS_WARPS], w));
-        float big_o = __fadd_rn(0.0f, __fmul_rn(o, w));
-        a.att[(size_t)m * PS_D + hq * PS_HD + 32 * dq + t] = __fdiv_rn(big_o, big_l);
-    }
-    __syncthreads();
-}
-
-// The same for the PS_G = 32 / HKV query heads that share KV head kvh (GQA):
-// each key and value loaded once for the group; every head's sums as above.
+// Decode attention of token m at its position (one split: pos < SPLIT_KV)
+// for the PS_G = 32 / HKV query heads that share KV head kvh (GQA; each key
+// and value loaded once for the group), output dimensions 32 dq .. 32 dq + 31;
+// node/reference.py attention for every head; run by one block.
 #define PS_G (32 / PS_HKV)
-__device__ __noinline__ void ps_attention_gqa(const PsArgs& a, int layer, int m, int kvh, int dq, float* sm) {
+__device__ __noinline__ void ps_attention(const PsArgs& a, int layer, int m, int kvh, int dq, float* sm) {
     float* s = sm;                       // [PS_G][SPLIT_KV] scores, then exp terms
     float* part = s + PS_G * SPLIT_KV;   // [PS_G][32][32] lane partials of the block's 32 output dims
     float* red = part + PS_G * 32 * 32;  // [PS_WARPS][PS_G], then the PS_G exp sums
@@ -530,13 +443,8 @@ extern "C" __global__ void __launch_bounds__(32 * PS_WARPS, 1) probe_step(unsign
             }
         }
         { ps_barrier(a.flags, ++e); ps_time(a, e - epoch0); }
-#if PS_GQA
         for (int task = blockIdx.x; task < M * PS_HKV * 4; task += gridDim.x)
-            ps_attention_gqa(a, layer, task / (PS_HKV * 4), (task >> 2) % PS_HKV, task & 3, xs);
-#else
-        for (int task = blockIdx.x; task < M * 128; task += gridDim.x)
-            ps_attention(a, layer, task >> 7, (task >> 2) & 31, task & 3, xs);
-#endif
+            ps_attention(a, layer, task / (PS_HKV * 4), (task >> 2) % PS_HKV, task & 3, xs);
         // O and the residual
         { ps_barrier(a.flags, ++e); ps_time(a, e - epoch0); }
         ps_stage<false>(xs, red, a.att, nullptr, 0.0f, M);

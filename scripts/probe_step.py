@@ -10,7 +10,7 @@ compares every intermediate (queries after RoPE, the K and V written to the
 cache, the attention output, both residuals, the SiLU gate, the logits)
 byte for byte with node/reference.py; then, for each ``--tokens`` count and
 each variant of the kernel's ``-D`` constants (PS_STAGES, PS_SL, PS_SR,
-PS_FENCE, PS_GQA), it times the full depth (20 launches after 3 untimed ones, CUDA
+PS_FENCE), it times the full depth (20 launches after 3 untimed ones, CUDA
 events) and checks that every launch gave the same logits bytes. Roofline:
 weight bytes ÷ 4.3 TB/s. Exit status 0 only when every check and every
 digest held.

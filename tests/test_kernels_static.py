@@ -221,7 +221,7 @@ def test_step_probe_compiles_without_atomics():
     path = os.path.join(ROOT, "scripts", "probe_step.cu")
     with open(path) as f:
         assert not re.search(r"\batomic\w*\s*\(|\bred\.|\batom\.", f.read())
-    cubins = {variant_cubin(path), variant_cubin(path, ("-DPS_GQA=0",))}   # both attention forms
+    cubins = {variant_cubin(path), variant_cubin(path, ("-DPS_SL=4",))}   # the defaults and a variant
     assert len(cubins) == 2 and variant_cubin(path) in cubins   # keyed by the options, found again
     for cubin in cubins:
         _assert_sass_atomic_free(_sass(cubin))
