@@ -15,6 +15,20 @@ def resolved_path(path: str) -> str:
     return os.path.join(os.path.realpath(os.path.dirname(path) or os.curdir), os.path.basename(path))
 
 
+def not_replaceable(path: str) -> str | None:
+    """Why :func:`atomic_write` must not replace ``path``: ``"a symbolic link"`` or
+    ``"not a regular file"`` (a device such as /dev/null, a FIFO, socket or folder,
+    which a rename would turn into a regular file); None when nothing is there or
+    it is a regular file. Raises OSError when ``path`` cannot be looked at."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return None
+    return "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+
+
 def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = True) -> None:
     """Write ``data`` to ``path`` so readers see either nothing or all of it.
 
@@ -26,16 +40,12 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = Tr
     ``overwrite=False`` a failure or an interrupt after the link (the folder's
     fsync) removes ``path`` again, so the call leaves the whole file or nothing;
     a rename cannot be undone, so with ``overwrite=True`` the new file stays.
-    Only a regular file is ever replaced: a symbolic link, device (``/dev/null``),
-    FIFO, socket or folder at ``path`` raises FileExistsError and is left as it is.
+    Only a regular file is ever replaced: anything :func:`not_replaceable` names
+    raises FileExistsError and is left as it is.
     """
-    if overwrite:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            st = None
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            raise FileExistsError(errno.EEXIST, "not a regular file: refusing to replace it", path)
+    why = not_replaceable(path) if overwrite else None
+    if why:
+        raise FileExistsError(errno.EEXIST, f"refusing to replace it: it is {why}", path)
     folder = os.path.dirname(resolved_path(path))
     tmp, linked = None, False
     try:   # the cleanup knows the temp file once mkstemp returns (an interrupt inside it can still leave one)

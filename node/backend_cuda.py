@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import tempfile
 from typing import NamedTuple
 
 import numpy as np
@@ -218,42 +217,31 @@ def _nvrtc_compile(name: str, src: str, header: str, options: tuple = COMPILE_OP
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def variant_cubin(src_path: str, defines: tuple = ()) -> str:
-    """Path of a cubin of the CUDA source at ``src_path`` (``common.cuh`` from
+def cubin_path(src_path: str, defines: tuple = ()) -> str:
+    """Path of the cubin of the CUDA source at ``src_path`` (``common.cuh`` from
     cuda/) compiled with the pinned :data:`COMPILE_OPTIONS` plus ``defines``
-    (``-D`` flags: the tile variants the benchmark scripts time), written to the
-    temporary folder under a name keyed by source and options. Raises
-    :class:`GpuError` on a compile failure, OSError if it cannot be written."""
+    (``-D`` flags: the tile variants the benchmark scripts time; none for the
+    node), compiled once and kept in ``$XDG_CACHE_HOME/bitexact/cubin`` under a
+    name keyed by source, header and options. Raises :class:`GpuError` on a
+    compile failure, OSError if the cache cannot be written."""
     from attest.atomic import atomic_write
 
     with open(src_path) as f, open(os.path.join(ROOT, "cuda", "common.cuh")) as h:
         src, header = f.read(), h.read()
     options = COMPILE_OPTIONS + tuple(defines)
-    key = hashlib.sha256("\0".join((src, header) + options).encode()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"bitexact-{os.path.basename(src_path)}-{key}.cubin")
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "bitexact", "cubin")
+    os.makedirs(cache, exist_ok=True)
+    name = os.path.basename(src_path)
+    key = hashlib.sha256("\0".join((src, header) + options).encode()).hexdigest()
+    path = os.path.join(cache, f"{name}-{key[:24]}.cubin")
     if not os.path.exists(path):
-        atomic_write(path, _nvrtc_compile(os.path.basename(src_path), src, header, options))
+        atomic_write(path, _nvrtc_compile(name, src, header, options))
     return path
 
 
 def load_modules(cupy) -> dict:
-    """Compile (or take from the cache) every kernel file; returns name -> RawModule."""
-    from attest.atomic import atomic_write
-
-    with open(os.path.join(ROOT, "cuda", "common.cuh")) as f:
-        header = f.read()
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "bitexact", "cubin")
-    os.makedirs(cache, exist_ok=True)
-    mods = {}
-    for name in KERNEL_FILES:
-        with open(os.path.join(ROOT, "cuda", name)) as f:
-            src = f.read()
-        key = hashlib.sha256("\0".join((src, header) + COMPILE_OPTIONS).encode()).hexdigest()
-        path = os.path.join(cache, f"{name}-{key[:24]}.cubin")
-        if not os.path.exists(path):
-            atomic_write(path, _nvrtc_compile(name, src, header))
-        mods[name] = cupy.RawModule(path=path)
-    return mods
+    """Every kernel file's module (compiled, or taken from the cache); returns name -> RawModule."""
+    return {name: cupy.RawModule(path=cubin_path(os.path.join(ROOT, "cuda", name))) for name in KERNEL_FILES}
 
 
 _ARG_CTYPES = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32,

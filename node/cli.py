@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import signal
-import stat
 import sys
 import warnings
 
@@ -55,6 +54,7 @@ def _check_replaceable(path: str, args) -> None:
     """Refuse an output path that is not a regular file (a device, FIFO, folder or
     symlink would be replaced by a file) or that names an input: the signing key,
     its public key, its passphrase file or the model. Raises :class:`RequestError`."""
+    from attest.atomic import not_replaceable
     from attest.keys import pub_path_for
 
     from .gguf_model import ModelError, default_model_path
@@ -63,14 +63,13 @@ def _check_replaceable(path: str, args) -> None:
     except ModelError:
         model = None
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
+        why = not_replaceable(path)
     except OSError as e:
         raise RequestError(f"cannot write the attestation {path}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
-        raise RequestError(f"refusing to replace {path}: it is {what}")
+    if why:
+        raise RequestError(f"refusing to replace {path}: it is {why}")
+    if not os.path.exists(path):
+        return
     for flag, other in (("--key", args.key), ("public key", pub_path_for(args.key)),
                         ("--passphrase-file", getattr(args, "passphrase_file", None)),
                         ("--model" if args.model is not None else "default model", model)):

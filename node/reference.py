@@ -160,11 +160,12 @@ def lane_major(a: np.ndarray, v: int, lanes: int = WARP) -> np.ndarray:
     warp then reads its lanes' step-``j`` chunks as one contiguous span.
     ``lanes`` < 32 lays out a tensor-parallel shard of K (its ``lanes``
     contract lanes, docs/determinism.md section 12).
-    ``a`` ``[..., K]``; returns a new array of the same shape and dtype.
+    ``a`` ``[..., K]`` (a numpy or CuPy array); returns a new C-contiguous array
+    of the same shape, dtype and array module.
     """
     *lead, k = a.shape
     g = k // lanes
-    return np.ascontiguousarray(a.reshape(*lead, lanes, g // v, v).swapaxes(-3, -2)).reshape(*lead, k)
+    return a.reshape(*lead, lanes, g // v, v).swapaxes(-3, -2).copy().reshape(*lead, k)
 
 
 def tp_combine(partials: np.ndarray) -> np.ndarray:

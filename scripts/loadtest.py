@@ -27,7 +27,6 @@ import random
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -66,15 +65,13 @@ def check_report_path(path: str) -> None:
     folder = os.path.dirname(path) or "."
     if not path or os.path.isdir(path) or not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
         fail(f"--json {path!r}: not a file in a writable folder")
+    from attest.atomic import not_replaceable
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
+        why = not_replaceable(path)
     except OSError as e:
         fail(f"--json {path!r}: {e.strerror or e}")
-    if not stat.S_ISREG(st.st_mode):
-        fail(f"--json {path!r}: refusing to replace it: it is "
-             f"{'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a regular file'}")
+    if why:
+        fail(f"--json {path!r}: refusing to replace it: it is {why}")
 
 
 def requests_pool(rng: random.Random, max_tokens: int) -> list[dict]:

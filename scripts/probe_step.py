@@ -39,9 +39,9 @@ HBM = 4.3e12
 
 
 def compile_variant(cp, defines: list[str]):
-    from node.backend_cuda import variant_cubin
+    from node.backend_cuda import cubin_path
 
-    mod = cp.RawModule(path=variant_cubin(os.path.join(ROOT, "scripts", "probe_step.cu"), tuple(defines)))
+    mod = cp.RawModule(path=cubin_path(os.path.join(ROOT, "scripts", "probe_step.cu"), tuple(defines)))
     fn = mod.get_function("probe_step")
     params = {"PS_WARPS": 16, "PS_STAGES": 6, "PS_TM": 8}
     params.update({d[2:].split("=")[0]: int(d.split("=")[1]) for d in defines})
@@ -57,11 +57,6 @@ def bf16_bits(cp, rng_seed: int, n: int, k: int):
     return (w.view(cp.uint32) >> 16).astype(cp.uint16)
 
 
-def lane_major(cp, w):
-    n, k = w.shape
-    return cp.ascontiguousarray(w.reshape(n, 32, k // 256, 8).swapaxes(1, 2)).reshape(n, k)
-
-
 class Model:
     """Device weights of ``layers`` layers (lane-major, gate/up interleaved) and, for the check, layer 0's host copies."""
 
@@ -71,13 +66,13 @@ class Model:
             s = 1000 * layer
             qkv, o, gt, up, dn = (bf16_bits(cp, s + i, n, k) for i, (n, k) in
                                   enumerate([(D + 2 * HKV * HD, D), (D, D), (F, D), (F, D), (D, F)]))
-            gu = cp.stack([lane_major(cp, gt), lane_major(cp, up)], axis=1).reshape(2 * F, D)
-            self.mats += [lane_major(cp, qkv), lane_major(cp, o), cp.ascontiguousarray(gu), lane_major(cp, dn)]
+            gu = cp.stack([ref.lane_major(gt, 8), ref.lane_major(up, 8)], axis=1).reshape(2 * F, D)
+            self.mats += [ref.lane_major(qkv, 8), ref.lane_major(o, 8), gu, ref.lane_major(dn, 8)]
             if keep_host and layer == 0:
                 self.host.update(qkv=qkv.get(), o=o.get(), gate=gt.get(), up=up.get(), down=dn.get())
             del qkv, o, gt, up, dn, gu
         head = bf16_bits(cp, 999_999, VOCAB, D)
-        self.mats.append(lane_major(cp, head))
+        self.mats.append(ref.lane_major(head, 8))
         if keep_host:
             self.host["head"] = head.get()
         del head

@@ -52,7 +52,7 @@ def compile_variant(cp, kernel: str, tokens: list[str]):
 
     defines = tuple(t for t in tokens if t.startswith("-D"))
     params = dict(DEFAULTS, **{t.removeprefix("-D").split("=")[0]: int(t.split("=")[1]) for t in tokens})
-    mod = cp.RawModule(path=bc.variant_cubin(os.path.join(bc.ROOT, "cuda", "matmul.cu"), defines))
+    mod = cp.RawModule(path=bc.cubin_path(os.path.join(bc.ROOT, "cuda", "matmul.cu"), defines))
     return (bc.PdlKernel(mod.get_function(kernel), kernel), bc.PdlKernel(mod.get_function("quantize_q8"), "quantize_q8"),
             mod), params
 

@@ -732,7 +732,8 @@ def test_atomic_write_replaces_only_a_regular_file(tmp_path, kind):
     {"fifo": lambda: os.mkfifo(target), "symlink": lambda: os.symlink(tmp_path / "elsewhere", target),
      "folder": lambda: target.mkdir()}[kind]()
     before = os.lstat(target)
-    with pytest.raises(FileExistsError, match="not a regular file"):
+    with pytest.raises(FileExistsError, match="refusing to replace it: it is " +
+                       ("a symbolic link" if kind == "symlink" else "not a regular file")):
         atomic_write(str(target), b"{}")
     after = os.lstat(target)
     assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino) and os.listdir(tmp_path) == ["out.json"]

@@ -217,11 +217,32 @@ def test_step_probe_compiles_without_atomics():
     docs/benchmarks.md) keeps the contract's rule: its grid barrier is release
     stores and acquire loads, no atomic in the text or the SASS, and it
     compiles with the node's pinned options."""
-    from node.backend_cuda import variant_cubin
+    from node.backend_cuda import cubin_path
     path = os.path.join(ROOT, "scripts", "probe_step.cu")
     with open(path) as f:
         assert not re.search(r"\batomic\w*\s*\(|\bred\.|\batom\.", f.read())
-    cubins = {variant_cubin(path), variant_cubin(path, ("-DPS_SL=4",))}   # the defaults and a variant
-    assert len(cubins) == 2 and variant_cubin(path) in cubins   # keyed by the options, found again
+    cubins = {cubin_path(path), cubin_path(path, ("-DPS_SL=4",))}   # the defaults and a variant
+    assert len(cubins) == 2 and cubin_path(path) in cubins   # keyed by the options, found again
     for cubin in cubins:
         _assert_sass_atomic_free(_sass(cubin))
+
+
+def test_load_modules_compiles_each_kernel_file_once_into_the_cache(tmp_path, monkeypatch):
+    """The node's modules come from cubin_path: one cubin per kernel file in
+    $XDG_CACHE_HOME/bitexact/cubin, keyed by source and options, found again
+    (not recompiled) on the next start."""
+    import node.backend_cuda as bc
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    class FakeCupy:
+        class RawModule:
+            def __init__(self, path):
+                self.path = path
+    mods = bc.load_modules(FakeCupy)
+    cache = tmp_path / "bitexact" / "cubin"
+    assert sorted(mods) == sorted(KERNEL_FILES)
+    assert sorted(os.path.basename(m.path).split("-")[0] for m in mods.values()) == sorted(KERNEL_FILES)
+    assert all(os.path.dirname(m.path) == str(cache) for m in mods.values())
+    assert len(os.listdir(cache)) == len(KERNEL_FILES)
+    monkeypatch.setattr(bc, "_nvrtc_compile", lambda *a, **k: pytest.fail("recompiled a cached kernel"))
+    assert {n: m.path for n, m in bc.load_modules(FakeCupy).items()} == {n: m.path for n, m in mods.items()}
