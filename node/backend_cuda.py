@@ -43,6 +43,36 @@ PACK_ROWS = 8192  # rows packed at a time (bounds the packing's temporary memory
 MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
 GRAPH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512)  # tokens of a step replayed by a graph
 GRAPH_ROWS = (1, 2, 4, 8, 16, 32, 64)  # logits rows (sequences) of a step replayed through a CUDA graph
+STEP_FILE = "step.cu"  # the one-launch step, compiled for each model's dimensions (step_defines)
+ST_TM, ST_WARPS, ST_OREC = 8, 16, 34  # mirrored from cuda/step.cu: tokens per tile, warps per block, floats per split record
+STEP_MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # cuda/step.cu mats order
+
+
+def step_defines(model: Model) -> tuple[str, ...] | None:
+    """``-D`` flags compiling cuda/step.cu for ``model``'s dimensions, or None when
+    the model does not fit the one-launch step (its steps then run the per-op
+    kernels). It fits when every layer matrix and the LM head is F16, or every one
+    is BF16, ``n_head * head_dim == n_embd <= 4096``, ``n_embd`` and ``n_ff`` are
+    multiples of 256 (lane-major chunks of 8), ``head_dim`` is a multiple of 32 up
+    to 128 and at most 16 query heads share a KV head. A choice by the model alone."""
+    hp = model.hparams
+    names = [f"blk.{i}.{n}.weight" for i in range(hp.n_layer) for n in STEP_MATS] + [model.output.name]
+    types = {model.tensors[n].qtype for n in names}
+    d, f, hd, h, hkv = hp.n_embd, hp.n_ff, hp.head_dim, hp.n_head, hp.n_head_kv
+    if len(types) != 1 or not types <= {"F16", "BF16"} or h * hd != d or d > 4096 or d % 256 or f % 256 \
+            or hd % 32 or hd > 128 or h % hkv or h // hkv > ST_WARPS:
+        return None
+    return (f"-DST_D={d}", f"-DST_F={f}", f"-DST_HD={hd}", f"-DST_H={h}", f"-DST_HKV={hkv}",
+            f"-DST_WT={QTYPE_IDS[types.pop()]}")
+
+
+class StepArgs(ctypes.Structure):
+    """cuda/step.cu ``StepArgs``, the step kernel's one argument (its size is checked
+    against the module's ``bx_step_args_bytes`` at load)."""
+    _fields_ = [(n, ctypes.c_void_p) for n in (
+        "mats", "norms", "h0", "h", "h1", "q", "att", "act", "kc", "vc", "page_tab", "qpos", "cosr", "sinr",
+        "rows", "scratch", "logits", "flags")] + [(n, ctypes.c_int) for n in (
+            "layers", "M", "R", "ms", "pages", "vocab")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 def mq_split(rows: list[int], lanes: int) -> int:
@@ -258,22 +288,25 @@ class PdlKernel:
     ``bx_pdl_wait`` (cuda/common.cuh) until that kernel has completed and its
     writes are visible, so no operand, value or order changes, only when
     blocks start.
+    With ``cooperative`` it is a cooperative launch instead
+    (``CU_LAUNCH_ATTRIBUTE_COOPERATIVE``: every block resident at once, or the
+    launch is refused), for cuda/step.cu's grid barriers.
     Called like a ``cupy.RawModule`` function: ``(grid, block, args,
     shared_mem=0)`` on CuPy's current stream (captured into CUDA graphs like
     any launch). ``args``: CuPy arrays (device pointers), ``None`` (a null
-    pointer) and numpy scalars (int32, int64, uint32, float32). Raises
-    :class:`TypeError` for any other argument and :class:`GpuError` when the
-    driver refuses the launch.
+    pointer) and numpy scalars (int32, int64, uint32, float32), or one
+    ``ctypes.Structure`` passed by value. Raises :class:`TypeError` for any
+    other argument and :class:`GpuError` when the driver refuses the launch.
     """
 
-    def __init__(self, fn, name: str):
+    def __init__(self, fn, name: str, cooperative: bool = False):
         import cupy
         try:
             from cuda.bindings import driver
         except ImportError:
             raise GpuError("cuda-bindings (the CUDA driver API) is not installed: pip install -e '.[cuda]'") from None
 
-        self.fn, self.name, self._cp, self._drv = fn, name, cupy, driver
+        self.fn, self.name, self._cp, self._drv, self.cooperative = fn, name, cupy, driver, cooperative
         self._f = driver.CUfunction(fn.kernel.ptr)
         self._configs: dict = {}
 
@@ -297,8 +330,12 @@ class PdlKernel:
             cfg.sharedMemBytes = shared_mem
             cfg.hStream = drv.CUstream(stream)
             attr = drv.CUlaunchAttribute()
-            attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
+            if self.cooperative:
+                attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+                attr.value.cooperative = 1
+            else:
+                attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                attr.value.programmaticStreamSerializationAllowed = 1
             cfg.attrs, cfg.numAttrs = [attr], 1
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (*grid, 1, 1)[:3]
         return cfg
@@ -315,8 +352,12 @@ class PdlKernel:
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         cfg = self._config(grid, tuple(block), int(shared_mem), self._cp.cuda.get_current_stream().ptr)
-        vals, types = zip(*(self._arg(a) for a in args))
-        (err,) = self._drv.cuLaunchKernelEx(cfg, self._f, (vals, types), 0)
+        if isinstance(args, ctypes.Structure):   # one argument by value: void*[1] pointing at its bytes
+            ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(args))
+            params = ctypes.addressof(ptrs)
+        else:
+            params = tuple(zip(*(self._arg(a) for a in args)))
+        (err,) = self._drv.cuLaunchKernelEx(cfg, self._f, params, 0)
         if err != self._drv.CUresult.CUDA_SUCCESS:
             raise GpuError(f"kernel {self.name} could not be launched: {err.name}")
 
@@ -407,6 +448,7 @@ class CudaBackend:
             shape = (hp.n_layer, kv_pages, self.kv_heads, SPLIT_KV, hp.head_dim)
             self.kp = cp.empty(shape, cp.float32)
             self.vp = cp.empty(shape, cp.float32)
+            self.step = self._load_step(props["multiProcessorCount"])
         except cp.cuda.memory.OutOfMemoryError as e:
             raise GpuError(f"out of GPU memory while loading the model: {e}") from None
         self._free_pages = list(range(kv_pages - 1, 0, -1))
@@ -420,6 +462,32 @@ class CudaBackend:
         self._entry = None
         self._last = None                 # device logits [R, n_vocab] of the last step (for sample_last)
         self._device_record = None
+
+    def _load_step(self, sms: int) -> PdlKernel | None:
+        """The step kernel (cuda/step.cu) compiled for this model, or None when its steps
+        run the per-op kernels (:func:`step_defines`; a tensor-parallel rank: always).
+        Its tables: the weight pointers in ``STEP_MATS`` order per layer then the LM
+        head, the norm vectors (attn_norm, ffn_norm per layer, then output_norm), one
+        barrier flag per block (one block per SM)."""
+        defines = step_defines(self.model)
+        if defines is None:
+            return None
+        cp, hp = self.cp, self.hp
+        mod = cp.RawModule(path=cubin_path(os.path.join(ROOT, "cuda", STEP_FILE), defines))
+        (size,) = module_ints(mod, "bx_step_args_bytes")
+        if size != ctypes.sizeof(StepArgs):
+            raise GpuError(f"cuda/{STEP_FILE} StepArgs is {size} bytes, node/backend_cuda.py StepArgs "
+                           f"{ctypes.sizeof(StepArgs)}")
+        kernel = PdlKernel(mod.get_function("step"), "step", cooperative=True)
+        (self.step_smem,) = module_ints(mod, "bx_step_smem")
+        kernel.max_dynamic_shared_size_bytes = self.step_smem
+        mats = [f"blk.{i}.{n}.weight" for i in range(hp.n_layer) for n in STEP_MATS] + [self.model.output.name]
+        norms = [f"blk.{i}.{n}.weight" for i in range(hp.n_layer) for n in ("attn_norm", "ffn_norm")]
+        self._step_mats = cp.asarray(np.array([self._mats[n].data.data.ptr for n in mats], np.uint64))
+        self._step_norms = cp.asarray(np.array([self._weights[n].data.ptr for n in norms + ["output_norm.weight"]],
+                                               np.uint64))
+        self._step_flags = cp.zeros(sms, cp.uint32)
+        return kernel
 
     def _kv_heads(self) -> int:
         """KV heads the KV cache pages hold: all of the model's (a tensor-parallel rank: its own)."""
@@ -776,6 +844,36 @@ class CudaBackend:
         self.k["tp_combine"](((n + 255) // 256,), (256,), (partials, out, np.int64(n), np.int32(t)))
         return out
 
+    def launch_step(self, h0, cos, sin, rows):
+        """The whole forward step in one launch (cuda/step.cu) for the step that
+        :meth:`begin_step` prepared: embedding rows fp32 ``[M, n_embd]``, the RoPE
+        table fp32 ``[n_ctx, head_dim/2]`` (cos, sin), the rows whose logits are
+        wanted int64 ``[R]``; returns fp32 logits ``[R, n_vocab]``. The KV cache
+        gets every token's keys and values. Models :func:`step_defines` accepts only."""
+        cp, hp = self.cp, self.hp
+        m, d = h0.shape
+        hd = hp.head_dim
+        _check(self.step is not None, "launch_step: this model's steps run the per-op kernels")
+        _check(h0.dtype == cp.float32 and h0.flags.c_contiguous and d == hp.n_embd and m == self._qpos.size,
+               "step h0 fp32 [M, n_embd], M = the step's tokens")
+        _check(all(t.dtype == cp.float32 and t.flags.c_contiguous and t.ndim == 2 and t.shape[1] == hd // 2
+                   and t.shape[0] >= int(self._pos_max) + 1 for t in (cos, sin)) and cos.shape == sin.shape,
+               "step cos, sin fp32 [n_ctx, head_dim/2] covering the step's positions")
+        _check(rows.dtype == cp.int64 and rows.ndim == 1 and rows.flags.c_contiguous and rows.size >= 1,
+               "step rows int64 [R]")
+        ms, tm = self._max_splits, ST_TM
+        h = cp.empty_like(h0)
+        h1, q, att = (cp.empty((tm, d), cp.float32) for _ in range(3))
+        act = cp.empty((tm, hp.n_ff), cp.float32)
+        scratch = cp.empty(tm * hp.n_head * (hd // 32) * ms * ST_OREC, cp.float32)
+        logits = cp.empty((rows.size, hp.n_vocab), cp.float32)
+        args = StepArgs(*(a.data.ptr for a in (
+            self._step_mats, self._step_norms, h0, h, h1, q, att, act, self.kp, self.vp, self._page_tab, self._qpos,
+            cos, sin, rows, scratch, logits, self._step_flags)), hp.n_layer, m, rows.size, ms, self.kv_pages,
+            hp.n_vocab, float(np.float32(hp.rms_eps)), float(np.float32(1.0) / np.sqrt(np.float32(hd))))
+        self.step((self._step_flags.size,), (32 * ST_WARPS,), args, shared_mem=self.step_smem)
+        return logits
+
     # ---- backend ops (same interface as CpuBackend) -------------------------
     def embed(self, tokens):
         return self.launch_embed(tokens)
@@ -938,7 +1036,7 @@ class CudaBackend:
             tok_page[a:b] = [pg[p // SPLIT_KV] for p in pos[a:b]]
         qpos = np.zeros(rows, np.int32)
         qpos[:m] = pos
-        self._max_splits = ms
+        self._max_splits, self._pos_max = ms, int(pos.max())
         if key is None:   # eager launches (begin_step has cleared _entry)
             self._page_tab, self._tok_page = cp.asarray(tab), cp.asarray(tok_page)
             self._tok_slot, self._qpos = cp.asarray(qpos % SPLIT_KV), cp.asarray(qpos)

@@ -202,6 +202,8 @@ class Engine:
         fp32 logits ``[R, n_vocab]`` on the backend. No host synchronisation, so
         the CUDA backend can capture it in a graph."""
         hp, be = self.hp, self.backend
+        if self.device == "cuda" and be.step is not None:   # one launch (cuda/step.cu), the same bytes
+            return be.launch_step(be.embed(tok), self._cos, self._sin, rows)
         m = tok.shape[0]
         cos, sin = self._cos[pos], self._sin[pos]
         x = be.embed(tok)

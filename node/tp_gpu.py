@@ -136,6 +136,10 @@ class CudaRankBackend(CudaBackend):
             raise GpuError(f"tensor-parallel rank {rank}: NCCL could not start: {e}") from None
         super().__init__(model, **opts)
 
+    def _load_step(self, sms: int) -> None:
+        """A rank runs the per-op kernels (its products gather partials between them)."""
+        return None
+
     def _kv_heads(self) -> int:
         return self.plan.kv_heads(self.rank)
 
