@@ -286,3 +286,20 @@ def test_a_fork_into_a_full_kv_cache_fails_and_leaves_no_sequence_behind(backend
         be.kv_copy_prefix(1, 2, 256 * 16)
     assert 2 not in be._pages and be._free_pages == free
 
+
+
+def test_step_defines_choose_by_the_model_alone(tmp_path):
+    """cuda/step.cu runs the models whose matrices are all F16 or all BF16 and whose
+    dimensions fit it (compiled in as -D flags); others run the per-op kernels."""
+    from node.backend_cuda import step_defines
+    from node.gguf_model import load_model
+    from node.synth import write_model
+    shape = (256, 2, 4, 2, 512, 300)
+    got = {q: step_defines(load_model(write_model(str(tmp_path / f"{q}.gguf"), shape, q, seed=1)))
+           for q in ("F16", "BF16", "F32", "Q8_0", "Q4_K")}
+    dims = ("-DST_D=256", "-DST_F=512", "-DST_HD=64", "-DST_H=4", "-DST_HKV=2")
+    assert got == {"F16": dims + ("-DST_WT=1",), "BF16": dims + ("-DST_WT=2",), "F32": None, "Q8_0": None,
+                   "Q4_K": None}
+    # n_embd 576 (SmolLM2): not a multiple of 256, so no lane chunks of 8
+    smol = load_model(write_model(str(tmp_path / "s.gguf"), (576, 1, 9, 3, 1536, 300), "BF16", seed=1))
+    assert step_defines(smol) is None

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from node.backend_cuda import KERNEL_FILES, GpuError, _nvrtc_compile
+from node.backend_cuda import KERNEL_FILES, STEP_FILE, GpuError, _nvrtc_compile
 from node.kernels import COMPILE_OPTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +49,7 @@ NVCC_OPTS = list(COMPILE_OPTIONS)  # the exact options NVRTC compiles with (nvcc
 
 def test_every_kernel_file_is_loaded():
     on_disk = sorted(n for n in os.listdir(CUDA) if n.endswith(".cu"))
-    assert on_disk == sorted(KERNEL_FILES)
+    assert on_disk == sorted(KERNEL_FILES + (STEP_FILE,))
 
 
 def _define(name: str, file: str) -> int:
@@ -66,7 +66,8 @@ def test_launch_constants_mirror_the_sources():
     from node.reference import SPLIT_KV
     for name, file, value in (("MQ_TM", "matmul.cu", bc.MQ_TM), ("MQ_ROWS", "matmul.cu", bc.MQ_ROWS),
                               ("MF_WARPS", "matmul.cu", bc.MF_WARPS), ("MF_ROWS", "matmul.cu", bc.MF_ROWS),
-                              ("MQ_SLOTS", "matmul.cu", bc.MQ_SLOTS),
+                              ("MQ_SLOTS", "matmul.cu", bc.MQ_SLOTS), ("ST_TM", "step.cu", bc.ST_TM),
+                              ("ST_WARPS", "step.cu", bc.ST_WARPS), ("ST_OREC", "step.cu", bc.ST_OREC),
                               ("SPLIT_KV", "common.cuh", SPLIT_KV)):
         assert _define(name, file) == value, f"{file} {name} = {_define(name, file)}, Python has {value}"
 
@@ -104,19 +105,27 @@ def test_no_atomics_in_source(name):
     assert not re.search(r"\batomic\w*\s*\(|\bred\.|\batom\.", text), name
 
 
+# cuda/step.cu is compiled for each model's dimensions (node/backend_cuda.py step_defines):
+# its defaults (Llama-3.1-8B, BF16), the GPU tests' small shape in F16, Llama-3.2-1B in BF16
+STEP_SHAPES = [(), ("-DST_D=256", "-DST_F=512", "-DST_HD=64", "-DST_H=4", "-DST_HKV=2", "-DST_WT=1"),
+               ("-DST_D=2048", "-DST_F=8192", "-DST_HD=64", "-DST_H=32", "-DST_HKV=8", "-DST_WT=2")]
+BUILDS = [(n, ()) for n in KERNEL_FILES] + [(STEP_FILE, d) for d in STEP_SHAPES]
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("name", KERNEL_FILES)
-def test_nvcc_no_spills_no_atomic_instructions(tmp_path, name):
+@pytest.mark.parametrize("name, defines", BUILDS)
+def test_nvcc_no_spills_no_atomic_instructions(tmp_path, name, defines):
     src = os.path.join(CUDA, name)
     cubin, ptx = tmp_path / "k.cubin", tmp_path / "k.ptx"
-    r = subprocess.run([NVCC, "-cubin", *NVCC_OPTS, "-Xptxas", "-v", "-I", CUDA, "-o", str(cubin), src],
+    r = subprocess.run([NVCC, "-cubin", *NVCC_OPTS, *defines, "-Xptxas", "-v", "-I", CUDA, "-o", str(cubin), src],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
     assert spills and all(s == ("0", "0") for s in spills), r.stderr
     assert "stack frame" not in r.stderr or re.findall(r"(\d+) bytes stack frame", r.stderr) == \
         ["0"] * len(re.findall(r"(\d+) bytes stack frame", r.stderr)), r.stderr
-    r = subprocess.run([NVCC, "-ptx", *NVCC_OPTS, "-I", CUDA, "-o", str(ptx), src], capture_output=True, text=True)
+    r = subprocess.run([NVCC, "-ptx", *NVCC_OPTS, *defines, "-I", CUDA, "-o", str(ptx), src], capture_output=True,
+                       text=True)
     assert r.returncode == 0, r.stderr
     assert not re.search(r"\b(atom|red)\.", ptx.read_text())
     _assert_sass_atomic_free(_sass(cubin))
@@ -152,14 +161,14 @@ def _assert_sass_waits_first(sass: str):
         assert not early, f"{name}: {early[0]} before griddepcontrol.wait"
 
 
-@pytest.mark.parametrize("name", KERNEL_FILES)
-def test_nvrtc_cubins_are_atomic_free_wait_first_without_local_memory(tmp_path, name):
+@pytest.mark.parametrize("name, defines", BUILDS)
+def test_nvrtc_cubins_are_atomic_free_wait_first_without_local_memory(tmp_path, name, defines):
     """The node's own build path (node/backend_cuda.py _nvrtc_compile, pinned
     options): no atomic, no stack or local memory, and, since kernels are launched
     with programmatic dependent launch (node/backend_cuda.py PdlKernel), none
     touches memory an earlier kernel writes before it waits for that kernel."""
     with open(os.path.join(CUDA, name)) as f, open(os.path.join(CUDA, "common.cuh")) as h:
-        cubin_bytes = _nvrtc_compile(name, f.read(), h.read())
+        cubin_bytes = _nvrtc_compile(name, f.read(), h.read(), COMPILE_OPTIONS + defines)
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(cubin_bytes)
     sass = _sass(cubin)
@@ -210,21 +219,6 @@ def test_kernel_digest_covers_sources_launchers_and_options():
     want = sources_sha256([f"cuda/{n}" for n in files] + ["node/backend_cuda.py"], " ".join(COMPILE_OPTIONS).encode())
     assert kernels_sha256() == want
     assert sources_sha256([f"cuda/{n}" for n in files], " ".join(COMPILE_OPTIONS).encode()) != want
-
-
-def test_step_probe_compiles_without_atomics():
-    """scripts/probe_step.cu (the one-launch decode step measured in
-    docs/benchmarks.md) keeps the contract's rule: its grid barrier is release
-    stores and acquire loads, no atomic in the text or the SASS, and it
-    compiles with the node's pinned options."""
-    from node.backend_cuda import cubin_path
-    path = os.path.join(ROOT, "scripts", "probe_step.cu")
-    with open(path) as f:
-        assert not re.search(r"\batomic\w*\s*\(|\bred\.|\batom\.", f.read())
-    cubins = {cubin_path(path), cubin_path(path, ("-DPS_SL=4",))}   # the defaults and a variant
-    assert len(cubins) == 2 and cubin_path(path) in cubins   # keyed by the options, found again
-    for cubin in cubins:
-        _assert_sass_atomic_free(_sass(cubin))
 
 
 def test_load_modules_compiles_each_kernel_file_once_into_the_cache(tmp_path, monkeypatch):
