@@ -92,17 +92,15 @@ __shared__ StepArgs st_a;
 
 // A warp's place in its sequence of weight chunks (weight phase w: tile w / (4 layers), layer
 // w / 4 % layers, product w % 4; from 4 layers tiles on, the LM head's row tiles; pair p, chunk
-// step j) and its ring's producer stage: kept here between phases. The ring runs ST_STAGES - 1
-// chunks ahead, so the chunk consumed after an issue is the one in the stage the issue moved to.
+// step j) and its ring's producer and consumer stages: kept here between phases.
 struct StWarp {
-    const unsigned char *r0, *r1;  // the current pair's two rows (st_locate)
-    int w, p, j, k, ps;            // k: the rows' length; ps: the stage the next issue fills
+    int w, p, j, ps, cs;
 };
 __shared__ StWarp st_warp[ST_WARPS];
 __shared__ int st_lim[2];  // the first LM-head weight phase, the end of the weight phases
 // The (tile, layer) being computed and the barrier number before it: the kernel keeps no value in
 // registers across its calls of the phases (each phase uses every register), so nothing spills.
-__shared__ int st_it, st_iters;  // st_iters: tiles times layers
+__shared__ int st_it;
 __shared__ unsigned int st_e;
 extern __shared__ __align__(16) unsigned char st_smem[];  // the rings, then the staging area
 
@@ -137,10 +135,18 @@ __device__ __forceinline__ int st_pairs(int m, int vocab) {
 }
 __device__ __forceinline__ int st_k(int m) { return m == 3 ? ST_F : ST_D; }
 
-// The two rows of pair c.p of weight phase c.w and their length into c.
-__device__ __forceinline__ void st_locate(StWarp& c) {
+// Skip to the next weight phase that has pair p for this warp.
+__device__ __forceinline__ void st_skip(StWarp& c, int gw) {
+    while (c.w < st_lim[1] && c.p >= st_pairs(c.w >= st_lim[0] ? 4 : c.w & 3, st_a.vocab)) {
+        ++c.w;
+        c.p = gw;
+    }
+}
+
+// The two rows of pair p of weight phase w; returns their K.
+__device__ __forceinline__ int st_rows(int w, int p, const unsigned char*& b0, const unsigned char*& b1) {
     const StepArgs& a = st_a;
-    int w = c.w, p = c.p, m = w >= st_lim[0] ? 4 : w & 3, k = st_k(m);
+    int m = w >= st_lim[0] ? 4 : w & 3, k = st_k(m);
     const unsigned short* const* mt = a.mats + 7 * (w >= st_lim[0] ? a.layers : (w >> 2) % a.layers);
     const unsigned short *r0, *r1;
     if (m == 0) {
@@ -155,32 +161,25 @@ __device__ __forceinline__ void st_locate(StWarp& c) {
         r0 = base + (size_t)2 * p * k;
         r1 = base + (size_t)min(2 * p + 1, (m == 4 ? a.vocab : ST_D) - 1) * k;
     }
-    c.r0 = (const unsigned char*)r0;
-    c.r1 = (const unsigned char*)r1;
-    c.k = k;
-}
-
-// On to the warp's next pair: the next weight phase that has pair p for this warp, its rows.
-__device__ __forceinline__ void st_next(StWarp& c, int gw) {
-    while (c.w < st_lim[1] && c.p >= st_pairs(c.w >= st_lim[0] ? 4 : c.w & 3, st_a.vocab)) {
-        ++c.w;
-        c.p = gw;
-    }
-    if (c.w < st_lim[1]) st_locate(c);
+    b0 = (const unsigned char*)r0;
+    b1 = (const unsigned char*)r1;
+    return k;
 }
 
 // The warp's next weight chunk (two rows' 256 elements) into its ring, one commit group.
 __device__ __forceinline__ void st_issue(StWarp& s) {
     int lane = threadIdx.x & 31, wi = threadIdx.x >> 5;
     if (s.w < st_lim[1]) {
+        const unsigned char *r0, *r1;
+        int k = st_rows(s.w, s.p, r0, r1);
         size_t off = (size_t)(s.j * 32 + lane) * 16;
         unsigned int dst = (unsigned int)__cvta_generic_to_shared(st_smem + (wi * ST_STAGES + s.ps) * 1024 + lane * 16);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(s.r0 + off));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 512), "l"(s.r1 + off));
-        if (++s.j == (s.k >> 8)) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(r0 + off));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 512), "l"(r1 + off));
+        if (++s.j == (k >> 8)) {
             s.j = 0;
             s.p += gridDim.x * ST_WARPS;
-            st_next(s, wi * gridDim.x + blockIdx.x);
+            st_skip(s, wi * gridDim.x + blockIdx.x);
         }
     }
     asm volatile("cp.async.commit_group;");
@@ -194,9 +193,10 @@ __device__ __forceinline__ void st_chunk(StWarp& s, const float* xc, int xstride
     int lane = threadIdx.x & 31, wi = threadIdx.x >> 5;
     st_issue(s);
     asm volatile("cp.async.wait_group %0;" ::"n"(ST_STAGES - 1) : "memory");
-    const unsigned char* st = st_smem + (wi * ST_STAGES + s.ps) * 1024 + lane * 16;
+    const unsigned char* st = st_smem + (wi * ST_STAGES + s.cs) * 1024 + lane * 16;
     uint4 wa = *(const uint4*)st;
     uint4 wb = *(const uint4*)(st + 512);
+    s.cs = s.cs + 1 == ST_STAGES ? 0 : s.cs + 1;
     unsigned int ua[4] = {wa.x, wa.y, wa.z, wa.w}, ub[4] = {wb.x, wb.y, wb.z, wb.w};
     float w0[8], w1[8];
 #pragma unroll
@@ -577,6 +577,8 @@ __device__ __noinline__ void st_down() {
     for (int p0 = 0; p0 < ST_D / 2; p0 += gridDim.x * ST_WARPS) {
         int p = p0 + gw;
         bool live = p < ST_D / 2;
+        const float* rp = a.h1 + (size_t)min(lane, n - 1) * ST_D + 2 * min(p, ST_D / 2 - 1);
+        float r0 = __ldcg(rp), r1 = __ldcg(rp + 1);
         float a0[ST_TM], a1[ST_TM];
 #pragma unroll
         for (int t = 0; t < ST_TM; ++t) a0[t] = a1[t] = 0.0f;
@@ -596,9 +598,8 @@ __device__ __noinline__ void st_down() {
             }
             __syncthreads();
         }
-        if (live) {  // the residual is loaded after the sums (registers are the limit here)
-            const float* rp = a.h1 + (size_t)min(lane, n - 1) * ST_D + 2 * p;
-            float r0 = __ldcg(rp), r1 = __ldcg(rp + 1), y0, y1;
+        if (live) {
+            float y0, y1;
             st_finish(a0, a1, n, y0, y1);
             if (lane < n) {
                 a.h[(size_t)(m0 + lane) * ST_D + 2 * p] = __fadd_rn(r0, y0);
@@ -632,15 +633,6 @@ __device__ __noinline__ void st_head() {
     st_store_warp(s);
 }
 
-// The warp's first pair (pairs spread over blocks first) and its first ST_STAGES - 1 chunks.
-__device__ __noinline__ void st_ring_start() {
-    int gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
-    StWarp s{nullptr, nullptr, 0, gw, 0, 0, 0};
-    st_next(s, gw);
-    for (int i = 0; i < ST_STAGES - 1; ++i) st_issue(s);
-    st_store_warp(s);
-}
-
 extern "C" __global__ void __launch_bounds__(32 * ST_WARPS, 1) step(const __grid_constant__ StepArgs args) {
     bx_pdl_wait();
     for (int i = threadIdx.x; i < (int)(sizeof(StepArgs) / 4); i += blockDim.x)
@@ -655,12 +647,17 @@ extern "C" __global__ void __launch_bounds__(32 * ST_WARPS, 1) step(const __grid
         asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(e) : "l"(args.flags + blockIdx.x) : "memory");
         st_e = e;
         st_it = 0;
-        st_iters = (args.M + ST_TM - 1) / ST_TM * args.layers;
     }
-    st_ring_start();
+    {
+        int gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;  // pairs spread over blocks first
+        StWarp s{0, gw, 0, 0, 0};
+        st_skip(s, gw);
+        for (int i = 0; i < ST_STAGES - 1; ++i) st_issue(s);
+        st_store_warp(s);
+    }
     __syncthreads();
     // Barriers per (tile, layer): before Q/K/V (not the first), attention, O, gate/up and down.
-    while (*(volatile int*)&st_it < *(volatile int*)&st_iters) {
+    while (*(volatile int*)&st_it < (args.M + ST_TM - 1) / ST_TM * args.layers) {
         st_qkv();
         st_attend();
         st_o();
