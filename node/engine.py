@@ -37,7 +37,8 @@ class Engine:
     those of ``tp = 1``. ``backend`` is an already built backend for ``device``
     (a tensor-parallel rank's: :class:`node.tp_runtime.RankBackend` or
     :class:`node.tp_gpu.CudaRankBackend`).
-    ``cuda_opts`` (``pin``, ``kv_pages``) go to
+    ``cuda_opts`` (``pin``, ``kv_pages``, ``graphs``, ``one_launch``: each step of an
+    F16/BF16 model in one launch, cuda/step.cu, the same bytes) go to
     :class:`~node.backend_cuda.CudaBackend`. Raises :class:`RequestError` for an
     unknown device or ``tp > 1`` on cuda, :class:`ModelError` for a ``tp`` that
     is not 1, 2, 4 or 8 or that the model's heads cannot be split by.

@@ -7,7 +7,9 @@ prefill tokens/s of one 1024-token prompt; GPU memory in use and KV-cache
 capacity. Baselines in the same run, on the same shapes with random bf16 weights:
 (a) HF transformers eager bf16, (b) a plain torch/cuBLAS bf16 forward pass with
 static KV cache and CUDA graphs, (c) the HBM roofline (weight bytes per decode
-step / 4.3 TB/s).
+step / 4.3 TB/s). Models with F16 or BF16 weights are also timed with
+``one_launch`` (section ``NAME/one-launch``: each step in one launch,
+cuda/step.cu; the same bytes).
 
     python scripts/bench_gpu.py --out results.json [--layers 8] [--default-model PATH]
     python scripts/bench_gpu.py --out tp.json --tp N [--tp-layers 4 2]
@@ -86,12 +88,12 @@ def time_decode(eng, b: int, steps: int, out: dict) -> None:
         eng.release(s)
 
 
-def bench_bitexact(model, steps: int = 32) -> dict:
+def bench_bitexact(model, steps: int = 32, one_launch: bool = False) -> dict:
     import cupy as cp
 
     from node.engine import Engine
 
-    eng = Engine(model, "cuda", n_ctx=2048, pin=None)
+    eng = Engine(model, "cuda", n_ctx=2048, pin=None, one_launch=one_launch)
     out = {}
     for b in BATCHES:
         time_decode(eng, b, steps, out)
@@ -407,6 +409,7 @@ def main() -> int:
 
     import cupy as cp
 
+    from node.backend_cuda import step_defines
     from node.gguf_model import default_model_path, load_model
     from node.synth import write_model
 
@@ -430,6 +433,9 @@ def main() -> int:
     for name, model in models:
         run_section(results, name, bench_bitexact, model)
         save_json(args.out, results)
+        if step_defines(model) and "one-launch" not in args.skip:   # the same bytes in one launch per step
+            run_section(results, name + "/one-launch", bench_bitexact, model, 32, True)
+            save_json(args.out, results)
         if "hf" not in args.skip:
             run_section(results, name + "/hf-eager-bf16", bench_hf_eager, model.hparams)
             save_json(args.out, results)

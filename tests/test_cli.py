@@ -1307,3 +1307,15 @@ def test_a_device_input_is_refused(art, tmp_path):
     """A device (here /dev/zero, which never ends) is refused like a FIFO, before it is read."""
     assert assert_input_error(bx(tmp_path, "verify", "/dev/zero")) == ("bitexact: error: cannot read attestation "
                                                                        "/dev/zero: not a regular file")
+
+
+def test_one_launch_is_accepted_and_ignored_on_the_cpu(art, tmp_path):
+    """``run --one-launch`` (an operator's choice of how a GPU runs F16/BF16 models)
+    is accepted on the CPU, which ignores it: the same output digest."""
+    digests = []
+    for extra in ((), ("--one-launch",)):
+        p = bx(tmp_path, "run", "--key", art.key, "--prompt", "hi", "--max-tokens", "2", "--device", "cpu", "--json",
+               "--attestation", tmp_path / f"a{len(extra)}.bxa", *extra)
+        assert p.returncode == 0, p.stderr
+        digests.append(json.loads(p.stdout)["output_digest"])
+    assert digests[0] == digests[1]

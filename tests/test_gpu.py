@@ -324,9 +324,12 @@ def test_attention_twin_multi_split(models):
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_golden_synthetic_on_gpu(tmp_path, qtype):
+    """The golden digests, with the per-op kernels and (F16, BF16) with each step in one launch."""
     model = load_model(golden.synth_case(tmp_path, qtype))
-    assert golden.logits_sha(Engine(model, "cuda", pin=None, kv_pages=16), golden.SYNTH_TOKENS) == \
-        golden.GOLDEN_SYNTH[qtype]
+    for one_launch in (False, True) if qtype in ("F16", "BF16") else (False,):
+        eng = Engine(model, "cuda", pin=None, kv_pages=16, one_launch=one_launch)
+        assert (eng.backend.step is not None) == one_launch
+        assert golden.logits_sha(eng, golden.SYNTH_TOKENS) == golden.GOLDEN_SYNTH[qtype], one_launch
 
 
 def step_logits(engine, toks, steps):
@@ -343,28 +346,31 @@ def step_logits(engine, toks, steps):
 @pytest.mark.parametrize("shape", ["smollm2", "llama-1b", "llama-8b"])
 @pytest.mark.parametrize("qtype", ["BF16", "Q8_0", "Q4_K"])
 def test_real_shapes_equal_reference(tmp_path, shape, qtype):
-    """Real model shapes (first 2 layers) in BF16, Q8_0 and Q4_K: GPU bytes == numpy bytes."""
+    """Real model shapes (first 2 layers) in BF16, Q8_0 and Q4_K: GPU bytes == numpy bytes
+    (BF16 also with each step in one launch, where the shape fits it: 1B, 8B)."""
     model = load_model(write_model(str(tmp_path / "m.gguf"), shape, qtype, seed=4, n_layer=2))
     n = 4 if shape == "llama-8b" else 12
     toks = list(np.random.default_rng(1).integers(0, model.hparams.n_vocab, n))
     steps = 1 if shape == "llama-8b" else 3
-    gpu = step_logits(Engine(model, "cuda", pin=None, kv_pages=16), toks, steps)
     cpu = step_logits(Engine(model, "cpu"), toks, steps)
-    assert_same(cpu, gpu, "logits")
+    for one_launch in (False, True) if qtype == "BF16" and shape != "smollm2" else (False,):
+        gpu = step_logits(Engine(model, "cuda", pin=None, kv_pages=16, one_launch=one_launch), toks, steps)
+        assert_same(cpu, gpu, f"logits, one launch {one_launch}")
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "BF16"])
 def test_batches_1_to_64_chunked_and_prefix_reuse(models, qtype):
     """Random batches of 1..64 sequences, random prefill chunks, token-by-token
     prefill and prefix reuse: every target's logits equal its solo GPU and CPU bytes
-    (Q4_1: the per-op kernels; BF16: the one-launch step, cuda/step.cu, whose numpy
-    twin is slow: the first 4 sequences of a trial against the CPU, the others
-    against their solo GPU run)."""
+    (Q4_1: the per-op kernels; BF16: each step in one launch, cuda/step.cu, against
+    the CPU for the first 4 sequences of a trial, whose numpy twin is slow, and
+    against solo runs of the per-op kernels for the others)."""
     model = models[qtype]
     cpu_seqs = 64 if qtype == "Q4_1" else 4
     rng = np.random.default_rng(77)
-    gpu = Engine(model, "cuda", pin=None, kv_pages=1024)
-    gpu_solo = Engine(model, "cuda", pin=None, kv_pages=8)
+    gpu = Engine(model, "cuda", pin=None, kv_pages=1024, one_launch=True)
+    assert (gpu.backend.step is None) == (qtype == "Q4_1")
+    gpu_solo = Engine(model, "cuda", pin=None, kv_pages=8)   # BF16: the per-op kernels
     solo = {}
     for trial in range(12):
         n_seq = int(rng.integers(1, 65))
@@ -483,16 +489,17 @@ def test_ten_thousand_runs_one_digest(default_model):
     assert digests == {link.hex()}
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "BF16"])
-def test_graph_replay_equals_eager(models, qtype):
+@pytest.mark.parametrize("qtype, one_launch", [("Q4_K", False), ("BF16", False), ("BF16", True)])
+def test_graph_replay_equals_eager(models, qtype, one_launch):
     """Steps replayed through CUDA graphs (padded to their graph's tokens, logits rows
     and KV splits) equal eager launches: a prefill step, decode steps, and steps that
-    mix decode tokens with another sequence's prompt chunk as it crosses a KV split."""
+    mix decode tokens with another sequence's prompt chunk as it crosses a KV split
+    (BF16 also with each step in one launch, a cooperative launch in the graph)."""
     model = models[qtype]
     outs = []
     for graphs in (True, False):
         rng = np.random.default_rng(3)
-        eng = Engine(model, "cuda", pin=None, kv_pages=64, graphs=graphs)
+        eng = Engine(model, "cuda", pin=None, kv_pages=64, graphs=graphs, one_launch=one_launch)
         seqs = [eng.new_sequence() for _ in range(5)]
         steps = [np.stack(eng.forward([(s, rng.integers(0, 300, 20 + 7 * i).tolist()) for i, s in enumerate(seqs)]))]
         late, prompt = eng.new_sequence(), rng.integers(0, 300, 290).tolist()
