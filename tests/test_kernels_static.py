@@ -240,3 +240,27 @@ def test_load_modules_compiles_each_kernel_file_once_into_the_cache(tmp_path, mo
     assert len(os.listdir(cache)) == len(KERNEL_FILES)
     monkeypatch.setattr(bc, "_nvrtc_compile", lambda *a, **k: pytest.fail("recompiled a cached kernel"))
     assert {n: m.path for n, m in bc.load_modules(FakeCupy).items()} == {n: m.path for n, m in mods.items()}
+
+
+def _step_layout_asserts(fields) -> str:
+    """static_asserts that cuda/step.cu StepArgs has the fields ``(name, offset)`` and the size of
+    node/backend_cuda.py StepArgs."""
+    import ctypes
+
+    from node.backend_cuda import StepArgs
+    lines = [f'static_assert(__builtin_offsetof(StepArgs, {n}) == {off}, "StepArgs.{n}");' for n, off in fields]
+    return "\n".join(lines + [f'static_assert(sizeof(StepArgs) == {ctypes.sizeof(StepArgs)}, "StepArgs size");'])
+
+
+def test_step_args_layout_matches_the_launcher():
+    """The step kernel's one argument: every field of node/backend_cuda.py StepArgs (ctypes)
+    sits at the offset cuda/step.cu's struct has (NVRTC compiles static_asserts of them;
+    no GPU needed), and a wrong offset fails the compile."""
+    from node.backend_cuda import StepArgs
+    with open(os.path.join(CUDA, STEP_FILE)) as f, open(os.path.join(CUDA, "common.cuh")) as h:
+        src, header = f.read(), h.read()
+    fields = [(n, getattr(StepArgs, n).offset) for n, _ in StepArgs._fields_]
+    _nvrtc_compile(STEP_FILE, src + "\n" + _step_layout_asserts(fields), header)
+    wrong = [(n, off + 4 if n == "scale" else off) for n, off in fields]
+    with pytest.raises(GpuError, match="StepArgs.scale"):
+        _nvrtc_compile(STEP_FILE, src + "\n" + _step_layout_asserts(wrong), header)
