@@ -37,6 +37,9 @@
 #define ST_HKV 8
 #define ST_WT BX_BF16
 #endif
+#ifndef ST_TIMES
+#define ST_TIMES 0  // 1: block 0 records %globaltimer into times (scripts/profile_step.py --one-launch)
+#endif
 #define ST_WARPS 16
 #define ST_STAGES 6
 #define ST_TM 8  // tokens per tile
@@ -82,6 +85,7 @@ struct StepArgs {
     float* scratch;                     // [TM, HKV, DQ, ms, G, OREC] per-split attention results
     float* logits;                      // [R, vocab]
     unsigned int* flags;                // [grid] barrier flags
+    unsigned long long* times;          // ST_TIMES builds: the start, after the launch's barrier k at k, the end
     int layers, M, R, ms, pages, vocab;
     float eps, scale;
 };
@@ -101,11 +105,20 @@ __shared__ int st_lim[2];  // the first LM-head weight phase, the end of the wei
 // The (tile, layer) being computed and the barrier number before it: the kernel keeps no value in
 // registers across its calls of the phases (each phase uses every register), so nothing spills.
 __shared__ int st_it;
-__shared__ unsigned int st_e;
+__shared__ unsigned int st_e, st_e0;  // st_e0: the flags' value at the launch's start
 extern __shared__ __align__(16) unsigned char st_smem[];  // the rings, then the staging area
 
 __device__ __forceinline__ float st_w(unsigned short u) {
     return ST_WT == BX_BF16 ? bx_bf16(u) : bx_half(u);
+}
+
+// ST_TIMES builds: block 0's %globaltimer (ns) into times[i].
+__device__ __forceinline__ void st_time(int i) {
+    if (ST_TIMES && blockIdx.x == 0 && threadIdx.x == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        st_a.times[i] = t;
+    }
 }
 
 __device__ __forceinline__ void st_barrier(unsigned int* flags, unsigned int e) {
@@ -119,6 +132,7 @@ __device__ __forceinline__ void st_barrier(unsigned int* flags, unsigned int e) 
         } while ((int)(v - e) < 0);
     }
     __syncthreads();
+    st_time(e - st_e0);
 }
 
 // Lane-major position (V = 8) of element i of a row of K elements.
@@ -645,7 +659,7 @@ extern "C" __global__ void __launch_bounds__(32 * ST_WARPS, 1) step(const __grid
     if (threadIdx.x == 0) {  // every flag holds the last launch's final barrier number
         unsigned int e;
         asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(e) : "l"(args.flags + blockIdx.x) : "memory");
-        st_e = e;
+        st_e = st_e0 = e;
         st_it = 0;
     }
     {
@@ -656,6 +670,7 @@ extern "C" __global__ void __launch_bounds__(32 * ST_WARPS, 1) step(const __grid
         st_store_warp(s);
     }
     __syncthreads();
+    st_time(0);
     // Barriers per (tile, layer): before Q/K/V (not the first), attention, O, gate/up and down.
     while (*(volatile int*)&st_it < (args.M + ST_TM - 1) / ST_TM * args.layers) {
         st_qkv();
@@ -672,4 +687,5 @@ extern "C" __global__ void __launch_bounds__(32 * ST_WARPS, 1) step(const __grid
     }
     st_head();
     asm volatile("cp.async.wait_group 0;" ::: "memory");
+    st_time(st_e + 2 - st_e0);
 }

@@ -71,7 +71,7 @@ class StepArgs(ctypes.Structure):
     against the module's ``bx_step_args_bytes`` at load)."""
     _fields_ = [(n, ctypes.c_void_p) for n in (
         "mats", "norms", "h0", "h", "h1", "q", "att", "act", "kc", "vc", "page_tab", "qpos", "cosr", "sinr",
-        "rows", "scratch", "logits", "flags")] + [(n, ctypes.c_int) for n in (
+        "rows", "scratch", "logits", "flags", "times")] + [(n, ctypes.c_int) for n in (
             "layers", "M", "R", "ms", "pages", "vocab")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -394,7 +394,7 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, model: Model, pin: str | None = DEFAULT_PIN, kv_pages: int | None = None,
-                 graphs: bool = True, n_ctx: int = 8192, one_launch: bool = False):
+                 graphs: bool = True, n_ctx: int = 8192, one_launch: bool = False, step_times: int = 0):
         cp = self.xp = _cupy()
         self.cp = cp
         self.stream = cp.cuda.Stream(non_blocking=True)   # graphs cannot capture the legacy stream
@@ -448,7 +448,7 @@ class CudaBackend:
             shape = (hp.n_layer, kv_pages, self.kv_heads, SPLIT_KV, hp.head_dim)
             self.kp = cp.empty(shape, cp.float32)
             self.vp = cp.empty(shape, cp.float32)
-            self.step = self._load_step(props["multiProcessorCount"]) if one_launch else None
+            self.step = self._load_step(props["multiProcessorCount"], step_times) if one_launch else None
         except cp.cuda.memory.OutOfMemoryError as e:
             raise GpuError(f"out of GPU memory while loading the model: {e}") from None
         self._free_pages = list(range(kv_pages - 1, 0, -1))
@@ -463,18 +463,22 @@ class CudaBackend:
         self._last = None                 # device logits [R, n_vocab] of the last step (for sample_last)
         self._device_record = None
 
-    def _load_step(self, sms: int) -> PdlKernel | None:
+    def _load_step(self, sms: int, times: int = 0) -> PdlKernel | None:
         """The step kernel (cuda/step.cu) compiled for this model (``one_launch``: an
         operator's choice, the bytes are the same either way), or None when the model
         does not fit it (:func:`step_defines`; a tensor-parallel rank: always).
         Its tables: the weight pointers in ``STEP_MATS`` order per layer then the LM
         head, the norm vectors (attn_norm, ffn_norm per layer, then output_norm), one
-        barrier flag per block (one block per SM)."""
+        barrier flag per block (one block per SM). ``times`` > 0 (scripts/profile_step.py):
+        the variant that records block 0's ``%globaltimer`` (ns) at the start, after
+        each barrier and at the end into ``step_times`` (uint64 ``[times]``)."""
         defines = step_defines(self.model)
         if defines is None:
             return None
         cp, hp = self.cp, self.hp
-        mod = cp.RawModule(path=cubin_path(os.path.join(ROOT, "cuda", STEP_FILE), defines))
+        self.step_times = cp.zeros(times, cp.uint64) if times else None
+        mod = cp.RawModule(path=cubin_path(os.path.join(ROOT, "cuda", STEP_FILE),
+                                           defines + (("-DST_TIMES=1",) if times else ())))
         (size,) = module_ints(mod, "bx_step_args_bytes")
         if size != ctypes.sizeof(StepArgs):
             raise GpuError(f"cuda/{STEP_FILE} StepArgs is {size} bytes, node/backend_cuda.py StepArgs "
@@ -862,16 +866,18 @@ class CudaBackend:
                "step cos, sin fp32 [n_ctx, head_dim/2] covering the step's positions")
         _check(rows.dtype == cp.int64 and rows.ndim == 1 and rows.flags.c_contiguous and rows.size >= 1,
                "step rows int64 [R]")
+        _check(self.step_times is None or self.step_times.size >= 5 * -(-m // ST_TM) * hp.n_layer + 3,
+               "step times: 5 per tile and layer, and 3")
         ms, tm = self._max_splits, ST_TM
         h = cp.empty_like(h0)
         h1, q, att = (cp.empty((tm, d), cp.float32) for _ in range(3))
         act = cp.empty((tm, hp.n_ff), cp.float32)
         scratch = cp.empty(tm * hp.n_head * (hd // 32) * ms * ST_OREC, cp.float32)
         logits = cp.empty((rows.size, hp.n_vocab), cp.float32)
-        args = StepArgs(*(a.data.ptr for a in (
+        args = StepArgs(*(0 if a is None else a.data.ptr for a in (
             self._step_mats, self._step_norms, h0, h, h1, q, att, act, self.kp, self.vp, self._page_tab, self._qpos,
-            cos, sin, rows, scratch, logits, self._step_flags)), hp.n_layer, m, rows.size, ms, self.kv_pages,
-            hp.n_vocab, float(np.float32(hp.rms_eps)), float(np.float32(1.0) / np.sqrt(np.float32(hd))))
+            cos, sin, rows, scratch, logits, self._step_flags, self.step_times)), hp.n_layer, m, rows.size, ms,
+            self.kv_pages, hp.n_vocab, float(np.float32(hp.rms_eps)), float(np.float32(1.0) / np.sqrt(np.float32(hd))))
         self.step((self._step_flags.size,), (32 * ST_WARPS,), args, shared_mem=self.step_smem)
         return logits
 

@@ -136,7 +136,7 @@ class CudaRankBackend(CudaBackend):
             raise GpuError(f"tensor-parallel rank {rank}: NCCL could not start: {e}") from None
         super().__init__(model, **opts)
 
-    def _load_step(self, sms: int) -> None:
+    def _load_step(self, sms: int, times: int = 0) -> None:
         """A rank runs the per-op kernels (its products gather partials between them)."""
         return None
 

@@ -8,9 +8,14 @@ CUPTI records it during graph replay (through PyTorch's profiler, which sees
 every kernel of the process). Kernels start before their predecessor ends
 (programmatic dependent launch), so each kernel's exposed time is also given:
 its end minus the previous kernel's end, the share of the step it adds; the
-last replay is listed launch by launch.
+last replay is listed launch by launch. With ``--one-launch`` (F16/BF16
+models) the engine runs each step in one launch (cuda/step.cu) built with
+``ST_TIMES``: block 0's ``%globaltimer`` after each grid barrier gives each
+phase's time (medians over tiles and layers; a phase includes the barrier
+that ends it) and the LM head's.
 
-    python scripts/profile_step.py [--shape llama-8b] [--qtype BF16] [--layers 4] [--batch 1 32] [--out prof.json]
+    python scripts/profile_step.py [--shape llama-8b] [--qtype BF16] [--layers 4] [--batch 1 32] [--one-launch]
+                                   [--out prof.json]
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gpu import graph_replay_ms  # noqa: E402
+
+from node.backend_cuda import ST_TM  # noqa: E402
 
 
 def kernel_ms(replay, n: int = 5) -> dict:
@@ -57,6 +64,27 @@ def kernel_ms(replay, n: int = 5) -> dict:
             "last_replay_us": last}  # [name, duration, exposed] per launch in order
 
 
+STEP_PHASES = ("qkv", "attention", "o", "gate_up", "down")  # cuda/step.cu's phases, in order
+
+
+def step_phases(times, layers: int, tiles: int) -> dict:
+    """Microseconds per phase of one cuda/step.cu launch from its ST_TIMES stamps
+    (ns: the start at 0, after the launch's barrier k at k, the end after the LM
+    head's barrier): per (tile, layer) ``it`` the barriers 5 it + 1 (before Q/K/V;
+    none for it = 0) to 5 it + 5 (before down); medians over ``tiles * layers``."""
+    import numpy as np
+
+    t = np.asarray(times, np.int64)
+    per = {n: [] for n in STEP_PHASES}
+    for it in range(tiles * layers):
+        marks = [t[0] if it == 0 else t[5 * it + 1]] + [t[5 * it + j] for j in (2, 3, 4, 5, 6)]
+        for n, a, b in zip(STEP_PHASES, marks, marks[1:]):
+            per[n].append((b - a) / 1e3)
+    end = 5 * tiles * layers
+    return {"median_us": {n: round(float(np.median(v)), 2) for n, v in per.items()},
+            "head_us": round(float(t[end + 2] - t[end + 1]) / 1e3, 2), "total_us": round(float(t[end + 2] - t[0]) / 1e3, 2)}
+
+
 def profile_batch(eng, batch: int, steps: int) -> dict:
     import cupy as cp
 
@@ -77,11 +105,16 @@ def profile_batch(eng, batch: int, steps: int) -> dict:
 
     gpu_ms = graph_replay_ms(be, batch, steps)
     kernels = kernel_ms(replay)
+    phases = {}
+    if be.step is not None:   # the last replay's stamps (the graph's tokens: the batch padded to its bucket)
+        phases = {"step_phases": step_phases(be.to_host(be.step_times), eng.hp.n_layer,
+                                             -(-be._entry["tokens"] // ST_TM))}
     for s in seqs:
         eng.release(s)
     return {"batch": batch, "forward_ms": round(forward_ms, 3), "graph_gpu_ms": round(gpu_ms, 3),
             "kernel_sum_ms": round(sum(v["ms"] for v in kernels["by_name"].values()), 3),
-            "exposed_sum_ms": round(sum(v["exposed_ms"] for v in kernels["by_name"].values()), 3), **kernels}
+            "exposed_sum_ms": round(sum(v["exposed_ms"] for v in kernels["by_name"].values()), 3), **phases,
+            **kernels}
 
 
 def main() -> int:
@@ -91,6 +124,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 32])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--one-launch", action="store_true", help="each step in one launch (cuda/step.cu), timed by phase")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -100,7 +134,13 @@ def main() -> int:
 
     path = write_model(os.path.join(tempfile.mkdtemp(), "m.gguf"), args.shape, args.qtype, seed=1,
                        n_layer=args.layers)
-    eng = Engine(load_model(path), "cuda", n_ctx=2048, pin=None)
+    # step stamps: 5 per tile and layer, and 3; the prefill of 8 tokens per sequence is the longest step
+    opts = {"one_launch": True, "step_times": 5 * max(args.batch) * args.layers + 3} if args.one_launch else {}
+    eng = Engine(load_model(path), "cuda", n_ctx=2048, pin=None, **opts)
+    if args.one_launch and eng.backend.step is None:
+        print(f"{args.shape} {args.qtype} does not fit cuda/step.cu (node/backend_cuda.py step_defines)",
+              file=sys.stderr)
+        return 2
     report = {"shape": args.shape, "qtype": args.qtype, "layers": args.layers,
               "runs": [profile_batch(eng, b, args.steps) for b in args.batch]}
     os.unlink(path)

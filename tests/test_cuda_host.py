@@ -2,6 +2,7 @@
 error paths, streams) on a fake CuPy, so it runs without a GPU."""
 
 import contextlib
+import os
 import sys
 import types
 
@@ -303,3 +304,22 @@ def test_step_defines_choose_by_the_model_alone(tmp_path):
     # n_embd 576 (SmolLM2): not a multiple of 256, so no lane chunks of 8
     smol = load_model(write_model(str(tmp_path / "s.gguf"), (576, 1, 9, 3, 1536, 300), "BF16", seed=1))
     assert step_defines(smol) is None
+
+
+def test_step_phases_read_the_stamps_of_one_launch():
+    """scripts/profile_step.py step_phases: per (tile, layer) the phases between
+    cuda/step.cu's barrier stamps (the first Q/K/V from the start: the first layer
+    has no barrier before it), medians over them, the LM head, the whole launch."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    from profile_step import step_phases
+    layers, tiles = 2, 2
+    t = np.zeros(5 * tiles * layers + 3, np.int64)
+    widths = [3, 5, 1, 2, 7] * (tiles * layers)   # µs of qkv, attention, o, gate_up, down in order
+    stamps = np.cumsum([0] + widths + [4]) * 1000   # ..., then the LM head
+    t[0] = stamps[0]
+    t[2:] = stamps[1:]        # barrier 1 (before the first Q/K/V) is never passed: its stamp stays 0
+    got = step_phases(t, layers, tiles)
+    assert got["median_us"] == {"qkv": 3.0, "attention": 5.0, "o": 1.0, "gate_up": 2.0, "down": 7.0}
+    assert got["head_us"] == 4.0 and got["total_us"] == sum(widths) + 4

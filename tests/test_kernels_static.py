@@ -106,9 +106,11 @@ def test_no_atomics_in_source(name):
 
 
 # cuda/step.cu is compiled for each model's dimensions (node/backend_cuda.py step_defines):
-# its defaults (Llama-3.1-8B, BF16), the GPU tests' small shape in F16, Llama-3.2-1B in BF16
+# its defaults (Llama-3.1-8B, BF16), the GPU tests' small shape in F16, Llama-3.2-1B in BF16;
+# and the defaults with the phase stamps of scripts/profile_step.py --one-launch
 STEP_SHAPES = [(), ("-DST_D=256", "-DST_F=512", "-DST_HD=64", "-DST_H=4", "-DST_HKV=2", "-DST_WT=1"),
-               ("-DST_D=2048", "-DST_F=8192", "-DST_HD=64", "-DST_H=32", "-DST_HKV=8", "-DST_WT=2")]
+               ("-DST_D=2048", "-DST_F=8192", "-DST_HD=64", "-DST_H=32", "-DST_HKV=8", "-DST_WT=2"),
+               ("-DST_TIMES=1",)]
 BUILDS = [(n, ()) for n in KERNEL_FILES] + [(STEP_FILE, d) for d in STEP_SHAPES]
 
 
