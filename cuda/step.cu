@@ -188,15 +188,16 @@ __device__ __forceinline__ void st_issue(StWarp& s) {
         int k = st_rows(s.w, s.p, r0, r1);
         size_t off = (size_t)(s.j * 32 + lane) * 16;
         unsigned int dst = (unsigned int)__cvta_generic_to_shared(st_smem + (wi * ST_STAGES + s.ps) * 1024 + lane * 16);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(r0 + off));
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 512), "l"(r1 + off));
+        // "memory": the copy overwrites the stage this lane read last (no read may move past it)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(r0 + off) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 512), "l"(r1 + off) : "memory");
         if (++s.j == (k >> 8)) {
             s.j = 0;
             s.p += gridDim.x * ST_WARPS;
             st_skip(s, wi * gridDim.x + blockIdx.x);
         }
     }
-    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.commit_group;" ::: "memory");
     s.ps = s.ps + 1 == ST_STAGES ? 0 : s.ps + 1;
 }
 
@@ -322,9 +323,9 @@ __device__ __forceinline__ void st_slice_copy(float* buf, const float* act, int 
         int j = q >> 8, l = (q >> 3) & 31, e = q & 7;  // q = (j * 32 + l) * 8 + e
         unsigned int dst = (unsigned int)__cvta_generic_to_shared(buf + t * ST_SL * 256 + (u - t * ST_SU) * 4);
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
-                     "l"(act + (size_t)t * ST_F + l * (ST_F >> 5) + j * 8 + e));
+                     "l"(act + (size_t)t * ST_F + l * (ST_F >> 5) + j * 8 + e) : "memory");
     }
-    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // ST_QE consecutive floats from global memory (written by other blocks).

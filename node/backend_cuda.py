@@ -868,7 +868,7 @@ class CudaBackend:
                "step rows int64 [R]")
         _check(self.step_times is None or self.step_times.size >= 5 * -(-m // ST_TM) * hp.n_layer + 3,
                "step times: 5 per tile and layer, and 3")
-        ms, tm = self._max_splits, ST_TM
+        ms, tm = self._max_splits, min(m, ST_TM)   # tm: the tokens of the largest tile
         h = cp.empty_like(h0)
         h1, q, att = (cp.empty((tm, d), cp.float32) for _ in range(3))
         act = cp.empty((tm, hp.n_ff), cp.float32)
