@@ -102,10 +102,11 @@ struct StWarp {
 };
 __shared__ StWarp st_warp[ST_WARPS];
 __shared__ int st_lim[2];  // the first LM-head weight phase, the end of the weight phases
-// The (tile, layer) being computed and the barrier number before it: the kernel keeps no value in
-// registers across its calls of the phases (each phase uses every register), so nothing spills.
+// The (tile, layer) being computed, and the flags' value at the launch's start: the kernel keeps
+// no value in registers across its calls of the phases (each phase uses every register), so
+// nothing spills.
 __shared__ int st_it;
-__shared__ unsigned int st_e, st_e0;  // st_e0: the flags' value at the launch's start
+__shared__ unsigned int st_e0;
 extern __shared__ __align__(16) unsigned char st_smem[];  // the rings, then the staging area
 
 __device__ __forceinline__ float st_w(unsigned short u) {
@@ -134,6 +135,10 @@ __device__ __forceinline__ void st_barrier(unsigned int* flags, unsigned int e) 
     __syncthreads();
     st_time(e - st_e0);
 }
+
+// Barrier j (1 .. 5: before Q/K/V, attention, O, gate/up, down) of (tile, layer) st_it, numbered
+// st_e0 + 5 st_it + j (the first Q/K/V has none); after the last (tile, layer), j = 1: the LM head's.
+__device__ __forceinline__ void st_sync(int j) { st_barrier(st_a.flags, st_e0 + 5 * st_it + j); }
 
 // Lane-major position (V = 8) of element i of a row of K elements.
 template <int K>
@@ -483,7 +488,7 @@ __device__ __forceinline__ void st_attention(int layer, int m, int mt, int kvh, 
 __device__ __noinline__ void st_qkv() {
     const StepArgs& a = st_a;
     int it = st_it, layer = it % a.layers, m0 = it / a.layers * ST_TM, n = min(ST_TM, a.M - m0);
-    if (it > 0) st_barrier(a.flags, st_e + 1);
+    if (it > 0) st_sync(1);
     int lane = threadIdx.x & 31, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
     float* xs = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
     constexpr int PL = ST_HKV * SPLIT_KV * ST_HD / 32;  // 128-byte lines of a page's keys (or values)
@@ -533,7 +538,7 @@ __device__ __noinline__ void st_qkv() {
 __device__ __noinline__ void st_attend() {
     const StepArgs& a = st_a;
     int it = st_it, layer = it % a.layers, m0 = it / a.layers * ST_TM, n = min(ST_TM, a.M - m0);
-    st_barrier(a.flags, st_e + 2);
+    st_sync(2);
     for (int task = blockIdx.x; task < n * ST_HKV * ST_DQ; task += gridDim.x) {
         int mt = task / (ST_HKV * ST_DQ);
         st_attention(layer, m0 + mt, mt, (task / ST_DQ) % ST_HKV, task % ST_DQ);
@@ -544,7 +549,7 @@ __device__ __noinline__ void st_attend() {
 __device__ __noinline__ void st_o() {
     const StepArgs& a = st_a;
     int it = st_it, layer = it % a.layers, m0 = it / a.layers * ST_TM, n = min(ST_TM, a.M - m0);
-    st_barrier(a.flags, st_e + 3);
+    st_sync(3);
     int lane = threadIdx.x & 31, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
     float* xs = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
     const float* hin = layer > 0 ? a.h : a.h0;
@@ -567,7 +572,7 @@ __device__ __noinline__ void st_o() {
 __device__ __noinline__ void st_gate_up() {
     const StepArgs& a = st_a;
     int it = st_it, layer = it % a.layers, n = min(ST_TM, a.M - it / a.layers * ST_TM);
-    st_barrier(a.flags, st_e + 4);
+    st_sync(4);
     int lane = threadIdx.x & 31, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
     float* xs = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
     st_stage<true>(xs, xs + ST_XS, a.h1, nullptr, 0, n, a.norms[2 * layer + 1], a.eps);
@@ -585,7 +590,7 @@ __device__ __noinline__ void st_gate_up() {
 __device__ __noinline__ void st_down() {
     const StepArgs& a = st_a;
     int m0 = st_it / a.layers * ST_TM, n = min(ST_TM, a.M - m0);
-    st_barrier(a.flags, st_e + 5);
+    st_sync(5);
     int lane = threadIdx.x & 31, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
     float* xs = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
     StWarp s = st_load_warp();
@@ -630,7 +635,7 @@ __device__ __noinline__ void st_head() {
     const StepArgs& a = st_a;
     int lane = threadIdx.x & 31, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
     float* xs = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
-    st_barrier(a.flags, st_e + 1);
+    st_sync(1);  // st_it: every (tile, layer) done
     StWarp s = st_load_warp();
     for (int r0 = 0; r0 < a.R; r0 += ST_TM) {
         int n = min(ST_TM, a.R - r0);
@@ -660,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(32 * ST_WARPS, 1) step(const __grid
     if (threadIdx.x == 0) {  // every flag holds the last launch's final barrier number
         unsigned int e;
         asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(e) : "l"(args.flags + blockIdx.x) : "memory");
-        st_e = st_e0 = e;
+        st_e0 = e;
         st_it = 0;
     }
     {
@@ -680,13 +685,10 @@ extern "C" __global__ void __launch_bounds__(32 * ST_WARPS, 1) step(const __grid
         st_gate_up();
         st_down();
         __syncthreads();
-        if (threadIdx.x == 0) {
-            st_e += 5;  // numbers st_e + 1 .. st_e + 5 (the first tile's first layer skips st_e + 1)
-            ++st_it;
-        }
+        if (threadIdx.x == 0) ++st_it;
         __syncthreads();
     }
     st_head();
     asm volatile("cp.async.wait_group 0;" ::: "memory");
-    st_time(st_e + 2 - st_e0);
+    st_time(5 * st_it + 2);
 }
