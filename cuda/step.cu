@@ -41,7 +41,9 @@
 #define ST_TIMES 0  // 1: block 0 records %globaltimer into times (scripts/profile_step.py --one-launch)
 #endif
 #define ST_WARPS 16
-#define ST_STAGES 6
+#ifndef ST_STAGES
+#define ST_STAGES 6  // ring stages per warp (a measurement may set another: scripts/profile_step.py --variant)
+#endif
 #define ST_TM 8  // tokens per tile
 #define ST_QKV ((ST_H + 2 * ST_HKV) * ST_HD)
 #define ST_G (ST_H / ST_HKV)  // query heads per KV head
@@ -64,7 +66,8 @@ __host__ __device__ constexpr int st_max(int a, int b) { return a > b ? a : b; }
 // Floats of the staging area: a tile's inputs, down's two slice buffers, or attention's scratch.
 constexpr int ST_XS = st_max(st_max(ST_TM * ST_D, 2 * ST_TM * ST_SL * 256), ST_G * (256 + 1024) + ST_WARPS * ST_G + ST_G);
 extern "C" __constant__ int bx_step_smem = ST_WARPS * ST_STAGES * 1024 + (ST_XS + 32) * 4;
-static_assert(ST_WARPS * ST_STAGES * 1024 + (ST_XS + 32) * 4 <= 227 * 1024, "shared memory of sm_90");
+static_assert(1024 + ST_WARPS * ST_STAGES * 1024 + (ST_XS + 32) * 4 <= 227 * 1024,
+              "shared memory of sm_90 (the static variables padded to 1 KB, then the dynamic area)");
 
 struct StepArgs {
     const unsigned short* const* mats;  // per layer: q, k, v, o, gate, up, down; then the LM head
@@ -96,9 +99,12 @@ __shared__ StepArgs st_a;
 
 // A warp's place in its sequence of weight chunks (weight phase w: tile w / (4 layers), layer
 // w / 4 % layers, product w % 4; from 4 layers tiles on, the LM head's row tiles; pair p, chunk
-// step j) and its ring's producer and consumer stages: kept here between phases.
+// step j), the pair's rows, and its ring's producer stage: kept here between phases. The ring
+// runs ST_STAGES - 1 chunks ahead, so the chunk consumed after an issue is in the stage the issue
+// moved ps to.
 struct StWarp {
-    int w, p, j, ps, cs;
+    const unsigned char *r0, *r1;  // pair p's two rows (st_rows, once per pair)
+    int k, w, p, j, ps;            // k: the rows' length; ps: the stage the next issue fills
 };
 __shared__ StWarp st_warp[ST_WARPS];
 __shared__ int st_lim[2];  // the first LM-head weight phase, the end of the weight phases
@@ -107,7 +113,10 @@ __shared__ int st_lim[2];  // the first LM-head weight phase, the end of the wei
 // nothing spills.
 __shared__ int st_it;
 __shared__ unsigned int st_e0;
-extern __shared__ __align__(16) unsigned char st_smem[];  // the rings, then the staging area
+// The rings, then the staging area. The rings start at a 1 KB boundary (each stage is 1 KB): with
+// the 16-byte alignment of the static variables' end, every weight phase ran 5-20 % slower
+// (docs/benchmarks.md, twenty-fifth session).
+extern __shared__ __align__(1024) unsigned char st_smem[];
 
 __device__ __forceinline__ float st_w(unsigned short u) {
     return ST_WT == BX_BF16 ? bx_bf16(u) : bx_half(u);
@@ -154,14 +163,6 @@ __device__ __forceinline__ int st_pairs(int m, int vocab) {
 }
 __device__ __forceinline__ int st_k(int m) { return m == 3 ? ST_F : ST_D; }
 
-// Skip to the next weight phase that has pair p for this warp.
-__device__ __forceinline__ void st_skip(StWarp& c, int gw) {
-    while (c.w < st_lim[1] && c.p >= st_pairs(c.w >= st_lim[0] ? 4 : c.w & 3, st_a.vocab)) {
-        ++c.w;
-        c.p = gw;
-    }
-}
-
 // The two rows of pair p of weight phase w; returns their K.
 __device__ __forceinline__ int st_rows(int w, int p, const unsigned char*& b0, const unsigned char*& b1) {
     const StepArgs& a = st_a;
@@ -185,18 +186,25 @@ __device__ __forceinline__ int st_rows(int w, int p, const unsigned char*& b0, c
     return k;
 }
 
+// Skip to the next weight phase that has pair p for this warp; find the pair's rows.
+__device__ __forceinline__ void st_skip(StWarp& c, int gw) {
+    while (c.w < st_lim[1] && c.p >= st_pairs(c.w >= st_lim[0] ? 4 : c.w & 3, st_a.vocab)) {
+        ++c.w;
+        c.p = gw;
+    }
+    if (c.w < st_lim[1]) c.k = st_rows(c.w, c.p, c.r0, c.r1);
+}
+
 // The warp's next weight chunk (two rows' 256 elements) into its ring, one commit group.
 __device__ __forceinline__ void st_issue(StWarp& s) {
     int lane = threadIdx.x & 31, wi = threadIdx.x >> 5;
     if (s.w < st_lim[1]) {
-        const unsigned char *r0, *r1;
-        int k = st_rows(s.w, s.p, r0, r1);
         size_t off = (size_t)(s.j * 32 + lane) * 16;
         unsigned int dst = (unsigned int)__cvta_generic_to_shared(st_smem + (wi * ST_STAGES + s.ps) * 1024 + lane * 16);
         // "memory": the copy overwrites the stage this lane read last (no read may move past it)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(r0 + off) : "memory");
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 512), "l"(r1 + off) : "memory");
-        if (++s.j == (k >> 8)) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(s.r0 + off) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 512), "l"(s.r1 + off) : "memory");
+        if (++s.j == (s.k >> 8)) {
             s.j = 0;
             s.p += gridDim.x * ST_WARPS;
             st_skip(s, wi * gridDim.x + blockIdx.x);
@@ -213,10 +221,9 @@ __device__ __forceinline__ void st_chunk(StWarp& s, const float* xc, int xstride
     int lane = threadIdx.x & 31, wi = threadIdx.x >> 5;
     st_issue(s);
     asm volatile("cp.async.wait_group %0;" ::"n"(ST_STAGES - 1) : "memory");
-    const unsigned char* st = st_smem + (wi * ST_STAGES + s.cs) * 1024 + lane * 16;
+    const unsigned char* st = st_smem + (wi * ST_STAGES + s.ps) * 1024 + lane * 16;
     uint4 wa = *(const uint4*)st;
     uint4 wb = *(const uint4*)(st + 512);
-    s.cs = s.cs + 1 == ST_STAGES ? 0 : s.cs + 1;
     unsigned int ua[4] = {wa.x, wa.y, wa.z, wa.w}, ub[4] = {wb.x, wb.y, wb.z, wb.w};
     float w0[8], w1[8];
 #pragma unroll
@@ -284,6 +291,8 @@ template <bool NORM>
 __device__ __noinline__ void st_stage(float* xs, float* red, const float* x, const long long* rows, int row0, int n,
                                       const float* w, float eps) {
     constexpr int K = ST_D, g = K >> 5, T = 32 * ST_WARPS, U = K / 4;
+    if (NORM)  // the norm weights into L1 while the tokens are loaded
+        for (int u = threadIdx.x; u < U; u += T) bx_prefetch_l1((const float4*)w + u);
     for (int t = 0; t < n; ++t) {
         const float4* src = (const float4*)(x + (size_t)(rows ? rows[row0 + t] : row0 + t) * K);
         for (int u = threadIdx.x; u < U; u += T) *(float4*)(xs + t * K + st_lm<K>(4 * u)) = __ldcg(src + u);
@@ -597,8 +606,8 @@ __device__ __noinline__ void st_down() {
     for (int p0 = 0; p0 < ST_D / 2; p0 += gridDim.x * ST_WARPS) {
         int p = p0 + gw;
         bool live = p < ST_D / 2;
-        const float* rp = a.h1 + (size_t)min(lane, n - 1) * ST_D + 2 * min(p, ST_D / 2 - 1);
-        float r0 = __ldcg(rp), r1 = __ldcg(rp + 1);
+        // the residual is read after the sums (registers are the limit here), from L1: fetched now
+        bx_prefetch_l1(a.h1 + (size_t)min(lane, n - 1) * ST_D + 2 * min(p, ST_D / 2 - 1));
         float a0[ST_TM], a1[ST_TM];
 #pragma unroll
         for (int t = 0; t < ST_TM; ++t) a0[t] = a1[t] = 0.0f;
@@ -619,7 +628,8 @@ __device__ __noinline__ void st_down() {
             __syncthreads();
         }
         if (live) {
-            float y0, y1;
+            const float* rp = a.h1 + (size_t)min(lane, n - 1) * ST_D + 2 * p;
+            float r0 = __ldca(rp), r1 = __ldca(rp + 1), y0, y1;
             st_finish(a0, a1, n, y0, y1);
             if (lane < n) {
                 a.h[(size_t)(m0 + lane) * ST_D + 2 * p] = __fadd_rn(r0, y0);
@@ -670,7 +680,8 @@ extern "C" __global__ void __launch_bounds__(32 * ST_WARPS, 1) step(const __grid
     }
     {
         int gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;  // pairs spread over blocks first
-        StWarp s{0, gw, 0, 0, 0};
+        StWarp s;
+        s.w = 0, s.p = gw, s.j = 0, s.ps = 0;
         st_skip(s, gw);
         for (int i = 0; i < ST_STAGES - 1; ++i) st_issue(s);
         st_store_warp(s);

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import os
 import sys
@@ -33,6 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gpu import graph_replay_ms  # noqa: E402
 
+import numpy as np  # noqa: E402
+
+from node import backend_cuda  # noqa: E402
 from node.backend_cuda import ST_TM  # noqa: E402
 
 
@@ -72,8 +76,6 @@ def step_phases(times, layers: int, tiles: int) -> dict:
     (ns: the start at 0, after the launch's barrier k at k, the end after the LM
     head's barrier): per (tile, layer) ``it`` the barriers 5 it + 1 (before Q/K/V;
     none for it = 0) to 5 it + 5 (before down); medians over ``tiles * layers``."""
-    import numpy as np
-
     t = np.asarray(times, np.int64)
     per = {n: [] for n in STEP_PHASES}
     for it in range(tiles * layers):
@@ -95,7 +97,7 @@ def profile_batch(eng, batch: int, steps: int) -> dict:
     cp.cuda.runtime.deviceSynchronize()
     t0 = time.perf_counter()
     for i in range(steps):
-        eng.forward([(s, [10 + i]) for s in seqs])
+        out = eng.forward([(s, [10 + i]) for s in seqs])
     forward_ms = (time.perf_counter() - t0) / steps * 1e3
     graph = be._entry["graph"]   # the graph of the last decode step
 
@@ -111,7 +113,8 @@ def profile_batch(eng, batch: int, steps: int) -> dict:
                                              -(-be._entry["tokens"] // ST_TM))}
     for s in seqs:
         eng.release(s)
-    return {"batch": batch, "forward_ms": round(forward_ms, 3), "graph_gpu_ms": round(gpu_ms, 3),
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(x, np.float32).tobytes() for x in out)).hexdigest()
+    return {"batch": batch, "logits_sha256": digest, "forward_ms": round(forward_ms, 3), "graph_gpu_ms": round(gpu_ms, 3),
             "kernel_sum_ms": round(sum(v["ms"] for v in kernels["by_name"].values()), 3),
             "exposed_sum_ms": round(sum(v["exposed_ms"] for v in kernels["by_name"].values()), 3), **phases,
             **kernels}
@@ -125,6 +128,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 32])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--one-launch", action="store_true", help="each step in one launch (cuda/step.cu), timed by phase")
+    ap.add_argument("--variant", action="append", default=None, metavar="FLAGS",
+                    help="with --one-launch: extra -D flags of cuda/step.cu, one profile each (repeatable; '' = as built)")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -136,13 +141,19 @@ def main() -> int:
                        n_layer=args.layers)
     # step stamps: 5 per tile and layer, and 3; the prefill of 8 tokens per sequence is the longest step
     opts = {"one_launch": True, "step_times": 5 * max(args.batch) * args.layers + 3} if args.one_launch else {}
-    eng = Engine(load_model(path), "cuda", n_ctx=2048, pin=None, **opts)
-    if args.one_launch and eng.backend.step is None:
-        print(f"{args.shape} {args.qtype} does not fit cuda/step.cu (node/backend_cuda.py step_defines)",
-              file=sys.stderr)
-        return 2
-    report = {"shape": args.shape, "qtype": args.qtype, "layers": args.layers,
-              "runs": [profile_batch(eng, b, args.steps) for b in args.batch]}
+    report = {"shape": args.shape, "qtype": args.qtype, "layers": args.layers, "variants": []}
+    defines = backend_cuda.step_defines
+    for variant in (args.variant or [""]) if args.one_launch else [""]:
+        backend_cuda.step_defines = lambda model: (d + tuple(variant.split()) if (d := defines(model)) else d)
+        eng = Engine(load_model(path), "cuda", n_ctx=2048, pin=None, **opts)
+        if args.one_launch and eng.backend.step is None:
+            print(f"{args.shape} {args.qtype} does not fit cuda/step.cu (node/backend_cuda.py step_defines)",
+                  file=sys.stderr)
+            return 2
+        report["variants"].append({"flags": variant, "runs": [profile_batch(eng, b, args.steps) for b in args.batch]})
+        del eng
+        import cupy as cp
+        cp.get_default_memory_pool().free_all_blocks()
     os.unlink(path)
     print(json.dumps(report, indent=1))
     if args.out:
