@@ -12,10 +12,13 @@ last replay is listed launch by launch. With ``--one-launch`` (F16/BF16
 models) the engine runs each step in one launch (cuda/step.cu) built with
 ``ST_TIMES``: block 0's ``%globaltimer`` after each grid barrier gives each
 phase's time (medians over tiles and layers; a phase includes the barrier
-that ends it) and the LM head's.
+that ends it) and the LM head's; each ``--variant=FLAGS`` profiles a build
+of cuda/step.cu with those ``-D`` flags added (e.g. ``--variant=-DST_STAGES=5``;
+``--variant=`` is the node's build), one engine each. Every run reports the
+SHA-256 of its last step's logits, so variants must show one digest.
 
     python scripts/profile_step.py [--shape llama-8b] [--qtype BF16] [--layers 4] [--batch 1 32] [--one-launch]
-                                   [--out prof.json]
+                                   [--variant=FLAGS ...] [--out prof.json]
 """
 
 from __future__ import annotations
