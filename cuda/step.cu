@@ -21,8 +21,9 @@
 // stages of 1 KB in shared memory; the ring runs on across phases, layers
 // and tiles (weights never depend on a barrier); each chunk of weights is
 // added to every token of the tile. A phase's input is staged per block in
-// shared memory lane-major, normalised there for RMSNorm phases; down's input
-// is copied with cp.async in K-slices of ST_SL chunk steps into two buffers.
+// shared memory by chunk step and lane (st_xpos), normalised there for RMSNorm
+// phases; down's input is copied with cp.async in K-slices of ST_SL chunk
+// steps into two buffers.
 // Attention: HD/32 blocks per KV head and token, each computing every score
 // of the KV head's query heads (one warp per slot) and 32 output dimensions;
 // per split its max, exp sum and output go to global scratch, then the
@@ -149,13 +150,33 @@ __device__ __forceinline__ void st_barrier(unsigned int* flags, unsigned int e) 
 // st_e0 + 5 st_it + j (the first Q/K/V has none); after the last (tile, layer), j = 1: the LM head's.
 __device__ __forceinline__ void st_sync(int j) { st_barrier(st_a.flags, st_e0 + 5 * st_it + j); }
 
-// Lane-major position (V = 8) of element i of a row of K elements.
+// Staged inputs in shared memory: element e (0 .. 7) of lane l's chunk step j of a row sits at
+// st_xpos(j, l, e): per chunk step the 32 lanes' first four elements, then their last four, so
+// each of a warp's two 16-byte loads of a chunk step reads 512 contiguous bytes (a quarter-warp
+// 128 bytes: no bank conflict; lane-major V = 8 with each lane's 32 bytes side by side gave two).
+__host__ __device__ constexpr int st_xpos(int j, int l, int e) { return j * 256 + (e >> 2) * 128 + l * 4 + (e & 3); }
+
+// The staged position of element i of a row of K elements (lane l = i / (K / 32) owns the
+// contract's elements l K / 32 ..; node/reference.py lane_major).
 template <int K>
-__device__ __forceinline__ int st_lm(int i) {
+__host__ __device__ constexpr int st_lm(int i) {
     constexpr int g = K >> 5;
     int l = i / g, r = i - l * g;
-    return ((r >> 3) * 32 + l) * 8 + (r & 7);
+    return st_xpos(r >> 3, l, r & 7);
 }
+
+// st_lm is a bijection of [0, K) (its inverse checked at every position) that keeps each
+// 4-aligned group of 4 elements contiguous (float4 stores).
+template <int K>
+__host__ __device__ constexpr bool st_layout_ok() {
+    constexpr int g = K >> 5;
+    for (int i = 0; i < K; ++i) {
+        int q = st_lm<K>(i), j = q >> 8, e = ((q >> 7) & 1) * 4 + (q & 3), l = (q >> 2) & 31;
+        if (q < 0 || q >= K || l * g + j * 8 + e != i || (i % 4 && q != st_lm<K>(i - 1) + 1)) return false;
+    }
+    return true;
+}
+static_assert(st_layout_ok<ST_D>() && st_layout_ok<ST_F>(), "staging layout");
 
 // The rows of a weight phase: product m (0 Q/K/V, 1 O, 2 gate/up, 3 down, 4 LM head).
 __device__ __forceinline__ int st_pairs(int m, int vocab) {
@@ -215,7 +236,8 @@ __device__ __forceinline__ void st_issue(StWarp& s) {
 }
 
 // One chunk step of the contract's sums of two rows for n tokens: the ring's next chunk
-// times x's 8 elements at xc (token t at xc + t * xstride); issues the chunk ST_STAGES - 1 ahead.
+// times x's 8 elements at xc = st_xpos(j, lane, 0) of the staged rows (token t at xc + t *
+// xstride); issues the chunk ST_STAGES - 1 ahead.
 __device__ __forceinline__ void st_chunk(StWarp& s, const float* xc, int xstride, int n, float (&a0)[ST_TM],
                                          float (&a1)[ST_TM]) {
     int lane = threadIdx.x & 31, wi = threadIdx.x >> 5;
@@ -237,7 +259,7 @@ __device__ __forceinline__ void st_chunk(StWarp& s, const float* xc, int xstride
     for (int t = 0; t < ST_TM; ++t) {
         if (t >= n) break;
         const float4* x4 = (const float4*)(xc + t * xstride);
-        float4 xa = x4[0], xb = x4[1];
+        float4 xa = x4[0], xb = x4[32];  // st_xpos: elements 4 .. 7 are 128 floats on
         float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -274,7 +296,7 @@ __device__ __forceinline__ void st_rows2(StWarp& s, int n, float& y0, float& y1)
     float a0[ST_TM], a1[ST_TM];
 #pragma unroll
     for (int t = 0; t < ST_TM; ++t) a0[t] = a1[t] = 0.0f;
-    for (int j = 0; j < (ST_D >> 8); ++j) st_chunk(s, xs + (j * 32 + (threadIdx.x & 31)) * 8, ST_D, n, a0, a1);
+    for (int j = 0; j < (ST_D >> 8); ++j) st_chunk(s, xs + st_xpos(j, threadIdx.x & 31, 0), ST_D, n, a0, a1);
     st_finish(a0, a1, n, y0, y1);
 }
 
@@ -305,7 +327,7 @@ __device__ __noinline__ void st_stage(float* xs, float* red, const float* x, con
         for (int j = 0; j < (g >> 3); ++j)
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                float xv = xs[t * K + (j * 32 + lane) * 8 + e];
+                float xv = xs[t * K + st_xpos(j, lane, e)];
                 acc = __fadd_rn(acc, __fmul_rn(xv, xv));
             }
         acc = bx_butterfly(acc);
@@ -329,15 +351,17 @@ __device__ __noinline__ void st_stage(float* xs, float* red, const float* x, con
 }
 
 // cp.async copies of down's input slice s for n tokens into buf (one commit group):
-// slice s holds the lane-major positions s * SL * 256 .. of each token's F elements.
+// slice s holds chunk steps s * SL .. s * SL + SL - 1 of each token's F elements, staged at
+// st_xpos(j - s * SL, l, e) (token t at buf + t * SL * 256).
 constexpr int ST_SU = ST_SL * 64;  // float4 units per token and slice
 __device__ __forceinline__ void st_slice_copy(float* buf, const float* act, int s, int n) {
+#pragma unroll 1
     for (int u = threadIdx.x; u < n * ST_SU; u += 32 * ST_WARPS) {
-        int t = u / ST_SU, q = s * ST_SL * 256 + (u - t * ST_SU) * 4;
-        int j = q >> 8, l = (q >> 3) & 31, e = q & 7;  // q = (j * 32 + l) * 8 + e
-        unsigned int dst = (unsigned int)__cvta_generic_to_shared(buf + t * ST_SL * 256 + (u - t * ST_SU) * 4);
+        int t = u / ST_SU, q = (u - t * ST_SU) * 4;
+        int j = q >> 8, l = (q >> 3) & 31, e = q & 7;  // unit q of the slice: chunk step j, lane l, elements e ..
+        unsigned int dst = (unsigned int)__cvta_generic_to_shared(buf + t * ST_SL * 256 + st_xpos(j, l, e));
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
-                     "l"(act + (size_t)t * ST_F + l * (ST_F >> 5) + j * 8 + e) : "memory");
+                     "l"(act + (size_t)t * ST_F + l * (ST_F >> 5) + (s * ST_SL + j) * 8 + e) : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -598,7 +622,7 @@ __device__ __noinline__ void st_gate_up() {
 // steps (slice s + 1 copied while slice s is added), every warp of the block in step.
 __device__ __noinline__ void st_down() {
     const StepArgs& a = st_a;
-    int m0 = st_it / a.layers * ST_TM, n = min(ST_TM, a.M - m0);
+    int n = min(ST_TM, a.M - st_it / a.layers * ST_TM);
     st_sync(5);
     int lane = threadIdx.x & 31, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
     float* xs = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
@@ -620,7 +644,7 @@ __device__ __noinline__ void st_down() {
             if (sl + 1 < NS) st_slice_copy(xs + ((sl + 1) & 1) * BUF, a.act, sl + 1, n);
             if (live)
                 for (int jj = 0; jj < ST_SL; ++jj)
-                    st_chunk(s, xs + (sl & 1) * BUF + (jj * 32 + lane) * 8, ST_SL * 256, n, a0, a1);
+                    st_chunk(s, xs + (sl & 1) * BUF + st_xpos(jj, lane, 0), ST_SL * 256, n, a0, a1);
             if (sl + 1 < NS) {
                 if (live) asm volatile("cp.async.wait_group %0;" ::"n"(ST_SL) : "memory");
                 else asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -631,6 +655,7 @@ __device__ __noinline__ void st_down() {
             const float* rp = a.h1 + (size_t)min(lane, n - 1) * ST_D + 2 * p;
             float r0 = __ldca(rp), r1 = __ldca(rp + 1), y0, y1;
             st_finish(a0, a1, n, y0, y1);
+            int m0 = st_it / a.layers * ST_TM;  // the tile's first token (read here: registers)
             if (lane < n) {
                 a.h[(size_t)(m0 + lane) * ST_D + 2 * p] = __fadd_rn(r0, y0);
                 a.h[(size_t)(m0 + lane) * ST_D + 2 * p + 1] = __fadd_rn(r1, y1);
