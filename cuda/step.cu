@@ -114,6 +114,8 @@ __shared__ int st_lim[2];  // the first LM-head weight phase, the end of the wei
 // nothing spills.
 __shared__ int st_it;
 __shared__ unsigned int st_e0;
+static_assert(sizeof(StepArgs) + ST_WARPS * sizeof(StWarp) + 4 * sizeof(int) <= 1024,
+              "the static variables fit the 1 KB before the rings (the shared-memory budget counts 1 KB)");
 // The rings, then the staging area. The rings start at a 1 KB boundary (each stage is 1 KB): with
 // the 16-byte alignment of the static variables' end, every weight phase ran 5-20 % slower
 // (docs/benchmarks.md, twenty-fifth session).
