@@ -145,19 +145,24 @@ def main() -> int:
     # step stamps: 5 per tile and layer, and 3; the prefill of 8 tokens per sequence is the longest step
     opts = {"one_launch": True, "step_times": 5 * max(args.batch) * args.layers + 3} if args.one_launch else {}
     report = {"shape": args.shape, "qtype": args.qtype, "layers": args.layers, "variants": []}
+    import cupy as cp
+
     defines = backend_cuda.step_defines
-    for variant in (args.variant or [""]) if args.one_launch else [""]:
-        backend_cuda.step_defines = lambda model: (d + tuple(variant.split()) if (d := defines(model)) else d)
-        eng = Engine(load_model(path), "cuda", n_ctx=2048, pin=None, **opts)
-        if args.one_launch and eng.backend.step is None:
-            print(f"{args.shape} {args.qtype} does not fit cuda/step.cu (node/backend_cuda.py step_defines)",
-                  file=sys.stderr)
-            return 2
-        report["variants"].append({"flags": variant, "runs": [profile_batch(eng, b, args.steps) for b in args.batch]})
-        del eng
-        import cupy as cp
-        cp.get_default_memory_pool().free_all_blocks()
-    os.unlink(path)
+    try:
+        for variant in (args.variant or [""]) if args.one_launch else [""]:
+            backend_cuda.step_defines = lambda model: (d + tuple(variant.split()) if (d := defines(model)) else d)
+            eng = Engine(load_model(path), "cuda", n_ctx=2048, pin=None, **opts)
+            if args.one_launch and eng.backend.step is None:
+                print(f"{args.shape} {args.qtype} does not fit cuda/step.cu (node/backend_cuda.py step_defines)",
+                      file=sys.stderr)
+                return 2
+            report["variants"].append({"flags": variant,
+                                       "runs": [profile_batch(eng, b, args.steps) for b in args.batch]})
+            del eng
+            cp.get_default_memory_pool().free_all_blocks()
+    finally:
+        backend_cuda.step_defines = defines
+        os.unlink(path)
     print(json.dumps(report, indent=1))
     if args.out:
         from attest.atomic import atomic_write
