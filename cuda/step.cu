@@ -326,12 +326,13 @@ __device__ __noinline__ void st_stage(float* xs, float* red, const float* x, con
     int lane = threadIdx.x & 31, wi = threadIdx.x >> 5;
     for (int t = wi; t < n; t += ST_WARPS) {  // token t's sum of squares: lane order, then the butterfly
         float acc = 0.0f;
-        for (int j = 0; j < (g >> 3); ++j)
+        for (int j = 0; j < (g >> 3); ++j) {
+            const float* xc = xs + t * K + st_xpos(j, lane, 0);
+            float4 xa = *(const float4*)xc, xb = *(const float4*)(xc + 128);  // elements 0 .. 3, 4 .. 7
+            float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                float xv = xs[t * K + st_xpos(j, lane, e)];
-                acc = __fadd_rn(acc, __fmul_rn(xv, xv));
-            }
+            for (int e = 0; e < 8; ++e) acc = __fadd_rn(acc, __fmul_rn(xv[e], xv[e]));
+        }
         acc = bx_butterfly(acc);
         if (lane == 0) red[t] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(acc, (float)K), eps)));
     }
