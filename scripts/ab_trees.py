@@ -8,7 +8,10 @@ Every tree must give the same logits bytes: the SHA-256 of the last decode
 step's logits is reported per tree and batch, and a mismatch exits 1.
 
     python scripts/ab_trees.py --out ab.json [--shape llama-8b] [--layers 4] [--qtype BF16]
-        [--batches 1 8 32] [--rounds 2] TREE [TREE ...]
+        [--batches 1 8 32] [--rounds 2] [--one-launch] TREE [TREE ...]
+
+With ``--one-launch`` every tree runs each step in one launch (cuda/step.cu;
+trees from before it fail).
 
 The model is written once to the temporary folder (``ab-SHAPE-NL-QTYPE.gguf``;
 3.8 GB for the default 4-layer 8B slice in BF16) and reused by later runs.
@@ -29,7 +32,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Runs inside one tree's process: argv = tree, model path, batches (comma separated), replays.
+# Runs inside one tree's process: argv = tree, model path, batches (comma separated), replays,
+# this tree's scripts/, and "1" for the one-launch step.
 RUNNER = r"""
 import hashlib, json, sys
 tree, path, batches, n = sys.argv[1], sys.argv[2], [int(b) for b in sys.argv[3].split(",")], int(sys.argv[4])
@@ -39,7 +43,10 @@ import numpy as np
 from node.engine import Engine
 from node.gguf_model import load_model
 from bench_gpu import graph_replay_ms
-eng = Engine(load_model(path), "cuda", n_ctx=2048, pin=None)
+opts = {"one_launch": True} if sys.argv[6] == "1" else {}
+eng = Engine(load_model(path), "cuda", n_ctx=2048, pin=None, **opts)
+if opts and eng.backend.step is None:
+    sys.exit("the model does not fit the one-launch step (node/backend_cuda.py step_defines)")
 out = {}
 for b in batches:
     seqs = [eng.new_sequence() for _ in range(b)]
@@ -65,6 +72,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--replays", type=int, default=30, help="graph replays per timing (default 30)")
+    ap.add_argument("--one-launch", action="store_true", help="each step in one launch (cuda/step.cu)")
     args = ap.parse_args()
     bad = [t for t in args.trees if not os.path.isfile(os.path.join(t, "node", "engine.py"))]
     if bad:
@@ -89,13 +97,15 @@ def main() -> int:
         for t in args.trees:
             p = subprocess.run([sys.executable, "-c", RUNNER, os.path.abspath(t), path,
                                 ",".join(map(str, args.batches)), str(args.replays),
-                                os.path.join(ROOT, "scripts")], capture_output=True, text=True)
+                                os.path.join(ROOT, "scripts"), "1" if args.one_launch else "0"],
+                               capture_output=True, text=True)
             if p.returncode:
                 print(f"ab_trees: {t} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
                 return 1
             runs[t].append(json.loads(p.stdout.strip().splitlines()[-1]))
             print(f"round {r} {t}: {runs[t][-1]}", flush=True)
-    res = {"model": {"shape": args.shape, "layers": args.layers, "qtype": args.qtype}, "trees": {}}
+    res = {"model": {"shape": args.shape, "layers": args.layers, "qtype": args.qtype},
+           "one_launch": args.one_launch, "trees": {}}
     digests = set()
     for t, rs in runs.items():
         res["trees"][t] = {str(b): {"median_gpu_ms_step": statistics.median(x[str(b)]["gpu_ms_step"] for x in rs),
