@@ -67,8 +67,9 @@ __host__ __device__ constexpr int st_max(int a, int b) { return a > b ? a : b; }
 // Floats of the staging area: a tile's inputs, down's two slice buffers, or attention's scratch.
 constexpr int ST_XS = st_max(st_max(ST_TM * ST_D, 2 * ST_TM * ST_SL * 256), ST_G * (256 + 1024) + ST_WARPS * ST_G + ST_G);
 extern "C" __constant__ int bx_step_smem = ST_WARPS * ST_STAGES * 1024 + (ST_XS + 32) * 4;
-static_assert(1024 + ST_WARPS * ST_STAGES * 1024 + (ST_XS + 32) * 4 <= 227 * 1024,
-              "shared memory of sm_90 (the static variables padded to 1 KB, then the dynamic area)");
+#define ST_STATIC 1024  // bytes of shared memory before the rings: the static variables, padded (st_smem)
+static_assert(ST_STATIC + ST_WARPS * ST_STAGES * 1024 + (ST_XS + 32) * 4 <= 227 * 1024,
+              "shared memory of sm_90 (the static variables padded, then the dynamic area)");
 
 struct StepArgs {
     const unsigned short* const* mats;  // per layer: q, k, v, o, gate, up, down; then the LM head
@@ -114,12 +115,15 @@ __shared__ int st_lim[2];  // the first LM-head weight phase, the end of the wei
 // nothing spills.
 __shared__ int st_it;
 __shared__ unsigned int st_e0;
-static_assert(sizeof(StepArgs) + ST_WARPS * sizeof(StWarp) + 4 * sizeof(int) <= 1024,
-              "the static variables fit the 1 KB before the rings (the shared-memory budget counts 1 KB)");
+static_assert(sizeof(StepArgs) + ST_WARPS * sizeof(StWarp) + 4 * sizeof(int) <= ST_STATIC,
+              "the static variables fit the space the shared-memory budget counts before the rings");
 // The rings, then the staging area. The rings start at a 1 KB boundary (each stage is 1 KB): 528
 // bytes in (after the static variables) the 4-layer 8B BF16 step took 0.971 ms at batch 1 instead
 // of 0.783 (docs/benchmarks.md, twenty-fifth session).
-extern __shared__ __align__(1024) unsigned char st_smem[];
+extern __shared__ __align__(ST_STATIC) unsigned char st_smem[];
+
+// The staging area, after the rings (ST_XS floats, then 32 for the norms' factors).
+__device__ __forceinline__ float* st_xs() { return (float*)(st_smem + ST_WARPS * ST_STAGES * 1024); }
 
 __device__ __forceinline__ float st_w(unsigned short u) {
     return ST_WT == BX_BF16 ? bx_bf16(u) : bx_half(u);
@@ -294,7 +298,7 @@ __device__ __forceinline__ void st_finish(float (&a0)[ST_TM], float (&a1)[ST_TM]
 
 // Two rows against the staged inputs (K = D) for n tokens.
 __device__ __forceinline__ void st_rows2(StWarp& s, int n, float& y0, float& y1) {
-    const float* xs = (const float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
+    const float* xs = st_xs();
     float a0[ST_TM], a1[ST_TM];
 #pragma unroll
     for (int t = 0; t < ST_TM; ++t) a0[t] = a1[t] = 0.0f;
@@ -315,8 +319,6 @@ template <bool NORM>
 __device__ __noinline__ void st_stage(float* xs, float* red, const float* x, const long long* rows, int row0, int n,
                                       const float* w, float eps) {
     constexpr int K = ST_D, g = K >> 5, T = 32 * ST_WARPS, U = K / 4;
-    if (NORM)  // the norm weights into L1 while the tokens are loaded
-        for (int u = threadIdx.x; u < U; u += T) bx_prefetch_l1((const float4*)w + u);
     for (int t = 0; t < n; ++t) {
         const float4* src = (const float4*)(x + (size_t)(rows ? rows[row0 + t] : row0 + t) * K);
         for (int u = threadIdx.x; u < U; u += T) *(float4*)(xs + t * K + st_lm<K>(4 * u)) = __ldcg(src + u);
@@ -392,7 +394,7 @@ __device__ __forceinline__ void st_load(float (&v)[ST_QE], const float* p) {
 // L += l_c * w, O += o_c * w, out = O / L.
 __device__ __forceinline__ void st_attention(int layer, int m, int mt, int kvh, int dq) {
     const StepArgs& a = st_a;
-    float* sm = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
+    float* sm = st_xs();
     float* s = sm;                       // [G][256] scores, then exp terms
     float* part = s + ST_G * SPLIT_KV;   // [G][32][32] lane partials of the block's 32 output dims
     float* red = part + ST_G * 32 * 32;  // [WARPS][G] warp maxima, then the G exp sums
@@ -526,7 +528,7 @@ __device__ __noinline__ void st_qkv() {
     int it = st_it, layer = it % a.layers, m0 = it / a.layers * ST_TM, n = min(ST_TM, a.M - m0);
     if (it > 0) st_sync(1);
     int lane = threadIdx.x & 31, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
-    float* xs = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
+    float* xs = st_xs();
     constexpr int PL = ST_HKV * SPLIT_KV * ST_HD / 32;  // 128-byte lines of a page's keys (or values)
     for (int t = 0; t < n; ++t) {
         int pos = a.qpos[m0 + t];
@@ -587,7 +589,7 @@ __device__ __noinline__ void st_o() {
     int it = st_it, layer = it % a.layers, m0 = it / a.layers * ST_TM, n = min(ST_TM, a.M - m0);
     st_sync(3);
     int lane = threadIdx.x & 31, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
-    float* xs = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
+    float* xs = st_xs();
     const float* hin = layer > 0 ? a.h : a.h0;
     st_stage<false>(xs, xs + ST_XS, a.att, nullptr, 0, n, nullptr, 0.0f);
     StWarp s = st_load_warp();
@@ -610,7 +612,7 @@ __device__ __noinline__ void st_gate_up() {
     int it = st_it, layer = it % a.layers, n = min(ST_TM, a.M - it / a.layers * ST_TM);
     st_sync(4);
     int lane = threadIdx.x & 31, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
-    float* xs = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
+    float* xs = st_xs();
     st_stage<true>(xs, xs + ST_XS, a.h1, nullptr, 0, n, a.norms[2 * layer + 1], a.eps);
     StWarp s = st_load_warp();
     for (int p = gw; p < ST_F; p += gridDim.x * ST_WARPS) {
@@ -628,7 +630,7 @@ __device__ __noinline__ void st_down() {
     int n = min(ST_TM, a.M - st_it / a.layers * ST_TM);
     st_sync(5);
     int lane = threadIdx.x & 31, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
-    float* xs = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
+    float* xs = st_xs();
     StWarp s = st_load_warp();
     for (int p0 = 0; p0 < ST_D / 2; p0 += gridDim.x * ST_WARPS) {
         int p = p0 + gw;
@@ -672,7 +674,7 @@ __device__ __noinline__ void st_down() {
 __device__ __noinline__ void st_head() {
     const StepArgs& a = st_a;
     int lane = threadIdx.x & 31, gw = (threadIdx.x >> 5) * gridDim.x + blockIdx.x;
-    float* xs = (float*)(st_smem + ST_WARPS * ST_STAGES * 1024);
+    float* xs = st_xs();
     st_sync(1);  // st_it: every (tile, layer) done
     StWarp s = st_load_warp();
     for (int r0 = 0; r0 < a.R; r0 += ST_TM) {
