@@ -336,10 +336,13 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 }
 
 // ---- matmul_f: F32/F16/BF16 weights, fp32 products, warp_sum over K ---------
-// Weights and x are lane-major (node/reference.py lane_major) with chunks of V
-// elements, so at step j the warp reads its 32 lanes' chunks as one contiguous
-// span (coalesced), yet lane l still adds the products of k = l*g .. l*g+g-1
-// one by one in ascending k, then the butterfly: the contract's warp_sum.
+// Weights are lane-major (node/reference.py lane_major) with chunks of V
+// elements (16 bytes where K allows) and x with chunks of XV = min(V, 4) fp32
+// elements (16 bytes), so at step j the warp reads its 32 lanes' chunks as
+// contiguous 512-byte spans (coalesced, no L1 line read twice; with x in
+// chunks of V = 8 each 16-byte load of a warp spanned 1 KB), yet lane l still
+// adds the products of k = l*g .. l*g+g-1 one by one in ascending k, then the
+// butterfly: the contract's warp_sum.
 // One warp per MF_ROWS output rows (each x chunk loaded once for all of them),
 // MQ_TM tokens per warp; up to three matrices with the same K and type
 // (Q/K/V, gate/up) in one launch, each starting at a warp of its own.
@@ -433,6 +436,7 @@ __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict
                                                  float* __restrict__ y, int n0, int N, int M, int m0, int K,
                                                  int lane, int lane0) {
     constexpr int lanes = LANES;
+    constexpr int XV = V < 4 ? V : 4;  // x's chunk: at most 16 bytes (node/backend_cuda.py x_width)
     using C = BxChunk<WT, V>;
     int sub = lane / lanes, l = lane & (lanes - 1);
     n0 += sub * MF_ROWS;
@@ -465,7 +469,10 @@ __device__ __forceinline__ void bx_matmul_f_rows(const unsigned char* __restrict
             for (int t = 0; t < MQ_TM; ++t) {
                 if (m0 + t >= M) break;
                 float xv[V];
-                bx_load_x<V>(xl + (size_t)(m0 + t) * K + (size_t)((j0 + u) * 32 + xlane) * V, xv);
+#pragma unroll
+                for (int h = 0; h < V / XV; ++h)
+                    bx_load_x<XV>(xl + (size_t)(m0 + t) * K + (size_t)(((j0 + u) * (V / XV) + h) * 32 + xlane) * XV,
+                                  xv + h * XV);
 #pragma unroll
                 for (int r = 0; r < MF_ROWS; ++r)
 #pragma unroll

@@ -160,6 +160,14 @@ def module_ints(mod, name: str, n: int = 1) -> list[int]:
     return cupy.ndarray((n,), cupy.int32, mod.get_global(name)).get().tolist()
 
 
+def x_width(k: int) -> int:
+    """Chunk width (fp32 elements) of the lane-major input ``matmul_f`` reads for rows of
+    ``k`` elements: 16-byte chunks where ``k / 32`` allows (:func:`node.reference.lane_width`
+    with 4-byte elements), whatever the weights' chunk width (cuda/matmul.cu, matmul_f).
+    Raises ValueError when ``k % 32 != 0``."""
+    return lane_width(k, 4)
+
+
 class LaneMajor(NamedTuple):
     """fp32 activations ``[M, K]`` already in :func:`node.reference.lane_major`
     layout with chunks of ``v`` elements, as written by a producer kernel for
@@ -639,8 +647,9 @@ class CudaBackend:
         return out
 
     def launch_matmul_f(self, xl, names):
-        """Float-weight products of one lane-major input with 1-3 matrices of one type and K
-        (or one row-parallel shard); list of fp32 [M, N_i]."""
+        """Float-weight products of one input with 1-3 matrices of one type and K (or one
+        row-parallel shard): xl fp32 [M, K] lane-major with chunks of :func:`x_width` (K);
+        list of fp32 [M, N_i]."""
         cp = self.cp
         ms, rows = self._fused(names)
         m, k = xl.shape
@@ -886,12 +895,11 @@ class CudaBackend:
         return self.launch_embed(tokens)
 
     def _feed_width(self, feeds) -> int:
-        """Chunk width V when every weight in ``feeds`` is a float matrix of one
-        element size (their input can be written lane-major), else 0."""
-        sizes = {ESIZE.get(self.model.tensors[n].qtype) for n in feeds}
-        if not feeds or None in sizes or len(sizes) != 1:
+        """Chunk width :func:`x_width` (K) when every weight in ``feeds`` is a float
+        matrix (their input can be written lane-major), else 0."""
+        if not feeds or any(self.model.tensors[n].qtype not in FLOAT_TYPES for n in feeds):
             return 0
-        return lane_width(self.model.tensors[feeds[0]].cols, sizes.pop())
+        return x_width(self.model.tensors[feeds[0]].cols)
 
     def _feed_output(self, feeds) -> int:
         """Output argument of a producer kernel whose result only ``feeds`` read:
@@ -934,25 +942,25 @@ class CudaBackend:
         return self._linears(h, (name,), self.cp.ascontiguousarray(x))[0]
 
     def _linears(self, x, names, residual=None):
-        if isinstance(x, LaneMajor):
-            _check(self._feed_width(names) == x.v, f"lane-major input of width {x.v} does not match {names}")
-            return self._matmul_f(x.data, names, residual)
         if isinstance(x, Q8):
             _check(self._feed_output(names) == Q8_OUT, f"q8 input for {names}")
             return self.launch_matmul_q(x, list(names), residual)
-        x = self.cp.ascontiguousarray(x)
-        k = x.shape[1]
+        if isinstance(x, LaneMajor):
+            _check(self._feed_width(names) == x.v, f"lane-major input of width {x.v} does not match {names}")
+        else:
+            x = self.cp.ascontiguousarray(x)
         groups: dict[str, list[int]] = {}
         for i, name in enumerate(names):
             qt = self.model.tensors[name].qtype
             groups.setdefault(qt if qt in FLOAT_TYPES else "q", []).append(i)
-        out = [None] * len(names)
+        out, xl = [None] * len(names), None
         for key, idx in groups.items():
-            if key == "q":
+            if key == "q":   # x is row-major: a lane-major x feeds float weights only
                 ys = self.launch_matmul_q(self.launch_quantize_q8(x), [names[i] for i in idx], residual)
-            else:
-                ys = self._matmul_f(self.launch_lane_major(x, lane_width(k, ESIZE[key])), [names[i] for i in idx],
-                                    residual)
+            else:            # one lane-major x for every float type
+                if xl is None:
+                    xl = x.data if isinstance(x, LaneMajor) else self.launch_lane_major(x, x_width(x.shape[1]))
+                ys = self._matmul_f(xl, [names[i] for i in idx], residual)
             for i, y in zip(idx, ys):
                 out[i] = y
         return out

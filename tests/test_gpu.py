@@ -13,6 +13,7 @@ import pytest
 
 import golden
 from node import reference as ref
+from node.backend_cuda import x_width
 from node.engine import Engine
 from node.gguf_model import decode_blocks, default_model_path, dequantize_rows, float_values, load_model
 from node.synth import write_model
@@ -112,8 +113,7 @@ def test_matmul_twin(models, backends, qtype, m):
         xq = ref.quantize_q8(x)
         if qtype in ("F32", "F16", "BF16"):
             want = [ref.matmul_f(x, float_values(t)) for t in ts]
-            v = ref.lane_width(ts[0].cols, 4 if qtype == "F32" else 2)
-            got = be.launch_matmul_f(be.from_host(ref.lane_major(x, v)), list(names))
+            got = be.launch_matmul_f(be.from_host(ref.lane_major(x, x_width(ts[0].cols))), list(names))
         else:
             want = [ref.matmul_q(xq, ref.RefQuantWeight(*decode_blocks(qtype, t.raw))) for t in ts]
             got = be.launch_matmul_q(tuple(be.from_host(a.reshape(m, -1) if i == 0 else a)
