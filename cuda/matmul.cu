@@ -338,7 +338,7 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 // ---- matmul_f: F32/F16/BF16 weights, fp32 products, warp_sum over K ---------
 // Weights are lane-major (node/reference.py lane_major) with chunks of V
 // elements (16 bytes where K allows) and x with chunks of XV = min(V, 4) fp32
-// elements (16 bytes), so at step j the warp reads its 32 lanes' chunks as
+// elements (16 bytes when XV = 4; node/backend_cuda.py x_width), so at step j the warp reads its 32 lanes' chunks as
 // contiguous 512-byte spans (coalesced, no L1 line read twice; with x in
 // chunks of V = 8 each 16-byte load of a warp spanned 1 KB), yet lane l still
 // adds the products of k = l*g .. l*g+g-1 one by one in ascending k, then the
@@ -349,8 +349,8 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 // A tensor-parallel shard of K (docs/determinism.md section 12) is computed
 // by sub-warps of `lanes` lanes (32/lanes sub-warps, MF_ROWS rows each): the
 // weight rows hold the shard's lanes only, lane-major over `lanes` lanes
-// (chunk j*lanes + l), sub-lane l reads x's chunk j*32 + lane0 + l, and the
-// lowest log2(lanes) butterfly levels give the shard's partial.
+// (chunk j*lanes + l), sub-lane l reads x's chunks (j*V/XV + h)*32 + lane0 + l
+// (h < V/XV), and the lowest log2(lanes) butterfly levels give the shard's partial.
 // Tile constants, chosen by timing variants on one NVIDIA H200 over the 8B
 // shapes at batch 1, 8 and 32 (scripts/tune_matmul.py compiles variants with
 // -D; docs/benchmarks.md); none changes any sum. The node compiles the defaults.

@@ -928,8 +928,9 @@ class CudaBackend:
         or :class:`Q8`); results fp32 ``[M, N_i]``.
 
         x is quantized once for the quantized weights and laid out lane-major
-        once per chunk width for the float weights (unless its producer already
-        wrote it so); weights of one route (and float type) share one fused launch.
+        once (chunks of :func:`x_width`) for the float weights of every type (unless
+        its producer already wrote it so); weights of one route (and float type)
+        share one fused launch.
         """
         return self._linears(x, names)
 

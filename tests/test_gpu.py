@@ -184,7 +184,7 @@ def test_elementwise_twins(backends):
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((7, 256)) * 3).astype(F32)
     w = rng.standard_normal(256).astype(F32)
-    for width in (0, 8, 1):
+    for width in (0, 8, 4, 1):
         want = ref.rms_norm(x, w, 1e-5)
         want = ref.lane_major(want, width) if width else want
         assert_same(want, be.to_host(be.launch_rms_norm(be.from_host(x), be.from_host(w), 1e-5, width)),
@@ -315,7 +315,7 @@ def test_attention_twin_multi_split(models):
     for cache, want_kv in ((be.kp, kr), (be.vp, v)):   # the sequence's pages, in order
         got_kv = be.to_host(cache[0])[be._pages[1]].transpose(1, 0, 2, 3).reshape(hp.n_head_kv, -1, hp.head_dim)
         assert_same(want_kv.transpose(1, 0, 2), got_kv[:, :n], "roped keys and values in the KV cache")
-    for width in (8, 2):   # written lane-major for a float-weight output projection
+    for width in (8, 4, 2):   # written lane-major for a float-weight output projection
         assert_same(ref.lane_major(want, width), be.to_host(be.launch_attention(be.from_host(qr), width)),
                     f"attention lane-major {width}")
     for name, w8, g8 in zip("qda", ref.quantize_q8(want), be.launch_attention(be.from_host(qr), Q8_OUT)):
