@@ -114,15 +114,26 @@ def _field(reader, key, default=None):
         raise ModelError(f"GGUF metadata key {key} holds a string that is not UTF-8") from None
 
 
+def _check_type(reader, key, want) -> None:
+    """Raise :class:`ModelError` when metadata ``key`` is present but not one value of
+    GGUF type ``want``, the only type llama.cpp accepts for it (llama-model-loader.cpp)."""
+    f = reader.fields.get(key)
+    if f is not None and list(f.types) != [want]:
+        got = "/".join(t.name for t in f.types)
+        raise ModelError(f"GGUF metadata key {key} is stored as {got}; llama.cpp reads it as {want.name} only")
+
+
 def load_model(path: str) -> Model:
     """Open a GGUF file of the ``llama`` architecture.
 
-    Raises :class:`ModelError` naming the problem when the file is missing or
-    unreadable, the architecture or a tensor's quant type is unsupported (a
+    Raises :class:`ModelError` naming the problem when the file is missing,
+    unreadable, truncated or corrupt, a hyperparameter is missing, stored with
+    another GGUF type than llama.cpp reads (uint32 counts, float32 reals, a string
+    ``general.name``) or out of range, the architecture or a tensor's quant type is unsupported (a
     vector, such as a norm's weights, must be F32, F16 or BF16), a tensor has
     an empty dimension or the wrong shape, or a required tensor is missing.
     """
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
 
     if not os.path.exists(path):
         raise ModelError(f"model file not found: {path}")
@@ -130,8 +141,9 @@ def load_model(path: str) -> Model:
         raise ModelError(f"model path is not a regular file: {path}")
     try:
         reader = GGUFReader(path, "r")
-    except Exception as e:  # gguf raises ValueError/struct.error/OSError on bad files
-        raise ModelError(f"cannot read GGUF file {path}: {e}") from None
+    except Exception as e:  # gguf raises ValueError/IndexError/struct.error/OSError on bad files
+        raise ModelError(f"cannot read GGUF file {path}: it is truncated or corrupt (the GGUF reader says: {e})") \
+            from None
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ModelError(f"unsupported architecture {arch!r} in {path} (supported: llama)")
@@ -161,9 +173,10 @@ def load_model(path: str) -> Model:
         tensors[t.name] = Tensor(t.name, qtype, rows, cols, raw)
 
     def num(key, kind, default=None, ok=lambda v: v > 0):
+        # stored as llama.cpp reads it (llama-model-loader.cpp refuses any other type): uint32 counts,
+        # float32 reals; the GGUF writer's add_block_count, add_rope_freq_base, ... write these types
+        _check_type(reader, f"llama.{key}", GGUFValueType.UINT32 if kind is int else GGUFValueType.FLOAT32)
         v = _field(reader, f"llama.{key}", default) if default is not None else need(key)
-        if isinstance(v, (str, bytes, bool)):    # GGUF stores numbers as numbers
-            raise ModelError(f"GGUF metadata key llama.{key} is not a number: {v!r}")
         try:
             v = kind(v)
         except (TypeError, ValueError, OverflowError):   # OverflowError: an infinite float for an integer key
@@ -224,6 +237,7 @@ def load_model(path: str) -> Model:
             t = tensors[f"blk.{i}.{n}.weight"]
             if t.cols % QK:
                 raise ModelError(f"tensor {t.name}: K={t.cols} is not a multiple of {QK}")
+    _check_type(reader, "general.name", GGUFValueType.STRING)
     tied = "output.weight" not in tensors
     metadata = {k: _field(reader, k) for k in ("general.name", "tokenizer.chat_template", "tokenizer.ggml.model",
                                                 "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",

@@ -101,7 +101,9 @@ def _check_vocab(model: Model) -> None:
     tokens outside SentencePiece; a SentencePiece vocabulary without all 256
     byte tokens ``<0x00>`` .. ``<0xFF>``
     (its fallback for text outside the vocabulary); a BOS or EOS token to be
-    added whose id names no token. Keys: GGUF spec, "Tokenizer"."""
+    added without an id; a BOS or EOS id that names no token (llama.cpp would
+    warn and fall back to a default token, so generation could not stop on the
+    EOS the file names). Keys: GGUF spec, "Tokenizer"."""
     md, path = model.metadata, model.path
     kind = md.get("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
@@ -129,9 +131,12 @@ def _check_vocab(model: Model) -> None:
                              f"256 bytes (such as {missing[0]}); llama.cpp needs all of them")
     for end in ("bos", "eos"):
         i = md.get(f"tokenizer.ggml.{end}_token_id")
-        if md.get(f"tokenizer.ggml.add_{end}_token") and not (isinstance(i, int) and 0 <= i < len(tokens)):
+        if md.get(f"tokenizer.ggml.add_{end}_token") and i is None:
             raise ModelError(f"{path}: tokenizer.ggml.add_{end}_token is set but tokenizer.ggml.{end}_token_id "
-                             f"{i!r} names no token")
+                             "is missing")
+        if i is not None and not (type(i) is int and 0 <= i < len(tokens)):
+            raise ModelError(f"{path}: tokenizer.ggml.{end}_token_id {i!r} names no token "
+                             f"(the vocabulary has {len(tokens)})")
 
 
 class Tokenizer:

@@ -110,22 +110,26 @@ def test_store_get_returns_the_file_its_id_names(tmp_path):
 @pytest.mark.parametrize("metadata,needle", [
     ({"llama.attention.head_count": 0}, "head_count has an invalid value"),
     ({"llama.attention.head_count_kv": 0}, "head_count_kv has an invalid value"),
-    ({"llama.attention.layer_norm_rms_epsilon": "small"}, "not a number"),
+    ({"llama.attention.layer_norm_rms_epsilon": "small"}, "rms_epsilon is stored as STRING; llama.cpp reads it as FLOAT32"),
     ({"llama.attention.layer_norm_rms_epsilon": -1.0}, "invalid value"),
-    ({"llama.attention.layer_norm_rms_epsilon": np.float64(1e-50)}, "invalid value"),   # 0 in fp32
-    ({"llama.attention.layer_norm_rms_epsilon": np.float64(1 - 1e-12)}, "invalid value"),   # 1 in fp32
+    ({"llama.attention.layer_norm_rms_epsilon": 1e-50}, "invalid value"),   # stored as float32: 0
+    ({"llama.attention.layer_norm_rms_epsilon": 1 - 1e-12}, "invalid value"),   # stored as float32: 1
+    ({"llama.attention.layer_norm_rms_epsilon": np.float64(1e-5)}, "stored as FLOAT64; llama.cpp reads it as FLOAT32"),
     ({"llama.rope.freq_base": 0.0}, "freq_base has an invalid value"),
     ({"llama.rope.freq_base": 1e-30}, "freq_base has an invalid value"),
-    ({"llama.attention.layer_norm_rms_epsilon": "1e-5"}, "not a number"),
+    ({"llama.attention.layer_norm_rms_epsilon": "1e-5"}, "stored as STRING"),
+    ({"llama.rope.freq_base": 10000}, "freq_base is stored as UINT32; llama.cpp reads it as FLOAT32"),
+    ({"llama.rope.freq_base": np.float64(1e308)}, "freq_base is stored as FLOAT64"),
+    ({"llama.block_count": 30.5}, "block_count is stored as FLOAT32; llama.cpp reads it as UINT32"),
     ({"llama.block_count": 0}, "block_count has an invalid value"),
     ({"llama.block_count": 50_000_000}, "says 50000000 layers; the file holds"),
     ({"general.name": b"\xff\xfeabc"}, "general.name holds a string that is not UTF-8"),
     ({"general.architecture": b"\xffllama"}, "general.architecture holds a string that is not UTF-8"),
     ({"llama.feed_forward_length": 100}, "hyperparameters say 100x64"),
     ({"llama.embedding_length": 96}, "head layout"),
-    ({"llama.block_count": float("inf")}, "block_count is not a finite number: inf"),
-    ({"llama.context_length": float("inf")}, "context_length is not a finite number: inf"),
-    ({"llama.embedding_length": 1e30}, "head layout"),   # an integer past 2**64: no numpy TypeError
+    ({"llama.block_count": float("inf")}, "block_count is stored as FLOAT32"),
+    ({"llama.context_length": float("inf")}, "context_length is stored as FLOAT32"),
+    ({"llama.rope.freq_base": float("inf")}, "freq_base is not a finite number|invalid value"),
     ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "unsupported RoPE scaling type 'yarn'"),
     ({"llama.rope.scaling.factor": -2.0}, "rope.scaling.factor has an invalid value"),
     ({"llama.rope.scale_linear": float("nan")}, "rope.scale_linear is not a finite number|invalid value"),
@@ -135,6 +139,17 @@ def test_malformed_metadata_is_a_model_error(tmp_path, metadata, needle):
     path = write_model(str(tmp_path / "bad.gguf"), "tiny", "Q8_0", metadata=metadata)
     with pytest.raises(ModelError, match=needle):
         load_model(path)
+
+
+def test_truncated_gguf_is_one_model_error(tmp_path):
+    """A GGUF file cut anywhere (header, metadata, tensor infos, tensor data) is
+    one ModelError that says so, whatever the GGUF reader tripped on."""
+    data = open(write_model(str(tmp_path / "m.gguf"), "tiny", "Q8_0"), "rb").read()
+    for cut in (0, 3, 8, 20, 100, 1000, len(data) // 2, len(data) - 1):
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(ModelError, match=f"cannot read GGUF file {path}: it is truncated or corrupt"):
+            load_model(str(path))
 
 
 @pytest.mark.parametrize("metadata,scale", [

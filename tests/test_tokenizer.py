@@ -95,7 +95,11 @@ def _vocab_case(case: str) -> dict:
             "types_long": {"tokenizer.ggml.token_type": types + [3]},
             "types_short": {"tokenizer.ggml.token_type": types[:-1]},
             "types_scalar": {"tokenizer.ggml.token_type": (1, GGUFValueType.INT32)},
-            "bos": {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 60000}}[case]
+            "bos": {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 60000},
+            "eos_far": {"tokenizer.ggml.eos_token_id": 1_000_000},
+            "eos_negative": {"tokenizer.ggml.eos_token_id": (-5, GGUFValueType.INT32)},
+            "eos_string": {"tokenizer.ggml.eos_token_id": ("2", GGUFValueType.STRING)},
+            "name_number": {"general.name": (7, GGUFValueType.UINT32)}}[case]
 
 
 @pytest.mark.parametrize("case,needle", [
@@ -108,12 +112,18 @@ def _vocab_case(case: str) -> dict:
     ("types_long", "token_type has 49153 entries for 49152 tokens"),
     ("types_short", "token_type has 49151 entries for 49152 tokens"),
     ("types_scalar", "tokenizer.ggml.token_type is not a list of integers"),
-    ("bos", "add_bos_token is set but tokenizer.ggml.bos_token_id 60000 names no token"),
+    ("bos", "tokenizer.ggml.bos_token_id 60000 names no token \\(the vocabulary has 49152\\)"),
+    ("eos_far", "tokenizer.ggml.eos_token_id 1000000 names no token"),
+    ("eos_negative", "tokenizer.ggml.eos_token_id -5 names no token"),
+    ("eos_string", "tokenizer.ggml.eos_token_id '2' names no token"),
+    ("name_number", "general.name is stored as UINT32; llama.cpp reads it as STRING only"),
 ])
 def test_vocabularies_llama_cpp_would_abort_on_are_refused(tmp_path, case, needle):
     """llama.cpp asserts or throws (and the process aborts) on these while it reads
     the vocabulary or tokenizes with it, and token types of another length than
-    the tokens are read past their end: each is refused before llama.cpp sees the file."""
+    the tokens are read past their end: each is refused before llama.cpp sees the file.
+    So is a BOS or EOS id past the vocabulary, which llama.cpp would only warn about
+    and replace by a default token (generation could not stop on the file's EOS)."""
     path = str(tmp_path / f"{case}.gguf")
     _copy_with(default_model_path(), path, keys=_vocab_case(case))
     with pytest.raises(ModelError, match=needle):
