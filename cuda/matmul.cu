@@ -338,11 +338,11 @@ extern "C" __global__ void lane_major(const float* __restrict__ x, float* __rest
 // ---- matmul_f: F32/F16/BF16 weights, fp32 products, warp_sum over K ---------
 // Weights are lane-major (node/reference.py lane_major) with chunks of V
 // elements (16 bytes where K allows) and x with chunks of XV = min(V, 4) fp32
-// elements (16 bytes when XV = 4; node/backend_cuda.py x_width), so at step j the warp reads its 32 lanes' chunks as
-// contiguous 512-byte spans (coalesced, no L1 line read twice; with x in
-// chunks of V = 8 each 16-byte load of a warp spanned 1 KB), yet lane l still
-// adds the products of k = l*g .. l*g+g-1 one by one in ascending k, then the
-// butterfly: the contract's warp_sum.
+// elements (16 bytes when XV = 4; node/backend_cuda.py x_width), so at step j
+// the warp reads its 32 lanes' chunks as contiguous 512-byte spans (coalesced,
+// no L1 line read twice; with x in chunks of V = 8 each 16-byte load of a warp
+// spanned 1 KB), yet lane l still adds the products of k = l*g .. l*g+g-1 one
+// by one in ascending k, then the butterfly: the contract's warp_sum.
 // One warp per MF_ROWS output rows (each x chunk loaded once for all of them),
 // MQ_TM tokens per warp; up to three matrices with the same K and type
 // (Q/K/V, gate/up) in one launch, each starting at a warp of its own.

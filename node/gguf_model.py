@@ -129,7 +129,8 @@ def load_model(path: str) -> Model:
     Raises :class:`ModelError` naming the problem when the file is missing,
     unreadable, truncated or corrupt, a hyperparameter is missing, stored with
     another GGUF type than llama.cpp reads (uint32 counts, float32 reals, a string
-    ``general.name``) or out of range, the architecture or a tensor's quant type is unsupported (a
+    ``general.name``) or out of range, the architecture or a tensor's quant type
+    is unsupported (a
     vector, such as a norm's weights, must be F32, F16 or BF16), a tensor has
     an empty dimension or the wrong shape, or a required tensor is missing.
     """
@@ -176,12 +177,8 @@ def load_model(path: str) -> Model:
         # stored as llama.cpp reads it (llama-model-loader.cpp refuses any other type): uint32 counts,
         # float32 reals; the GGUF writer's add_block_count, add_rope_freq_base, ... write these types
         _check_type(reader, f"llama.{key}", GGUFValueType.UINT32 if kind is int else GGUFValueType.FLOAT32)
-        v = _field(reader, f"llama.{key}", default) if default is not None else need(key)
-        try:
-            v = kind(v)
-        except (TypeError, ValueError, OverflowError):   # OverflowError: an infinite float for an integer key
-            raise ModelError(f"GGUF metadata key llama.{key} is not a finite number: {v!r}") from None
-        if not (math.isfinite(v) and ok(v)):   # math: np.isfinite refuses integers past 2**64
+        v = kind(_field(reader, f"llama.{key}", default) if default is not None else need(key))
+        if not (math.isfinite(v) and ok(v)):   # NaN and infinities of the float32 keys
             raise ModelError(f"GGUF metadata key llama.{key} has an invalid value {v!r}")
         return v
 

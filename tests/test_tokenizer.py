@@ -98,8 +98,7 @@ def _vocab_case(case: str) -> dict:
             "bos": {"tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 60000},
             "eos_far": {"tokenizer.ggml.eos_token_id": 1_000_000},
             "eos_negative": {"tokenizer.ggml.eos_token_id": (-5, GGUFValueType.INT32)},
-            "eos_string": {"tokenizer.ggml.eos_token_id": ("2", GGUFValueType.STRING)},
-            "name_number": {"general.name": (7, GGUFValueType.UINT32)}}[case]
+            "eos_string": {"tokenizer.ggml.eos_token_id": ("2", GGUFValueType.STRING)}}[case]
 
 
 @pytest.mark.parametrize("case,needle", [
@@ -116,7 +115,6 @@ def _vocab_case(case: str) -> dict:
     ("eos_far", "tokenizer.ggml.eos_token_id 1000000 names no token"),
     ("eos_negative", "tokenizer.ggml.eos_token_id -5 names no token"),
     ("eos_string", "tokenizer.ggml.eos_token_id '2' names no token"),
-    ("name_number", "general.name is stored as UINT32; llama.cpp reads it as STRING only"),
 ])
 def test_vocabularies_llama_cpp_would_abort_on_are_refused(tmp_path, case, needle):
     """llama.cpp asserts or throws (and the process aborts) on these while it reads
