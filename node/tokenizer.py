@@ -19,14 +19,24 @@ from .template import render_template
 CONTROL_TYPES = (3, 4)  # tokenizer.ggml.token_type CONTROL and USER_DEFINED: what encode(special=True) parses
 _BACKEND = threading.Lock()  # llama_backend_init, once per process
 _backend_ready = False
-_SILENT_LOG = None  # the llama.cpp log callback (_silent_log), referenced so it is never freed
+_LOG = None  # the llama.cpp log callback (_load_log), referenced so it is never freed
+_LOADING = threading.local()  # .errors: the error lines llama.cpp logs while this thread loads a vocabulary
+GGML_LOG_LEVEL_ERROR = 4  # enum ggml_log_level in llama.cpp's ggml.h (llama-cpp-python 0.3.36)
 
 
-def _silent_log(llama_cpp):
-    """A llama.cpp log callback that drops every line, kept alive for the process."""
-    global _SILENT_LOG
-    _SILENT_LOG = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
-    return _SILENT_LOG
+def _load_log(llama_cpp):
+    """A llama.cpp log callback, kept alive for the process, that keeps the error
+    lines of a vocabulary load in progress in this thread (:func:`_load_vocab` names
+    the reason llama.cpp gives) and drops every other line."""
+    global _LOG
+
+    def log(level, text, user_data):
+        errors = getattr(_LOADING, "errors", None)
+        if level == GGML_LOG_LEVEL_ERROR and errors is not None:
+            errors.append(text.decode("utf-8", "replace").strip())
+
+    _LOG = llama_cpp.llama_log_callback(log)
+    return _LOG
 
 
 def _load_vocab(llama_cpp, path: str):
@@ -55,14 +65,19 @@ def _load_vocab(llama_cpp, path: str):
             if not _backend_ready:
                 llama_cpp.llama_backend_init()
                 # llama.cpp's log lines (warnings at tokenize time too) stay off the node's stderr
-                llama_cpp.llama_log_set(_silent_log(llama_cpp), ctypes.c_void_p(0))
+                llama_cpp.llama_log_set(_load_log(llama_cpp), ctypes.c_void_p(0))
                 _backend_ready = True
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
+        _LOADING.errors = []
         return _internals.LlamaModel(path_model=path, params=params, verbose=False)
     except Exception as e:
-        raise ModelError(f"cannot load tokenizer from {path}: {e}") from None
+        # llama.cpp's first error line holds the reason ("llama_model_load: error loading model: ...")
+        why = next(iter(getattr(_LOADING, "errors", None) or []), "").split("error loading model: ")[-1]
+        raise ModelError(f"cannot load tokenizer from {path}: "
+                         + (f"llama.cpp says: {why}" if why else str(e))) from None
     finally:
+        _LOADING.errors = None
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)

@@ -2,6 +2,7 @@
 cannot smuggle control tokens, and an overlong prompt is refused before it is
 tokenized, from a bound that never exceeds the true token count."""
 
+import re
 import threading
 
 import numpy as np
@@ -21,18 +22,19 @@ def tok():
 
 
 def _copy_with(src: str, dst: str, extra_row: bool = False, template: str | None = None,
-               fill: dict | None = None, keys: dict | None = None) -> None:
+               fill: dict | None = None, keys: dict | None = None, drop: tuple = ()) -> None:
     """The GGUF at ``src`` with one more row in token_embd.weight (a copy of its
     last), another ``tokenizer.chat_template``, the float tensors named in
-    ``fill`` set to one value each, and/or the metadata ``keys`` given other
-    values of their types (or of another scalar type: a ``(value, GGUFValueType)`` pair)."""
+    ``fill`` set to one value each, the metadata ``keys`` given other values of
+    their types (or of another scalar type: a ``(value, GGUFValueType)`` pair),
+    and/or the metadata keys in ``drop`` left out."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     r = GGUFReader(src)
     w = GGUFWriter(dst, "llama")
     w.kv_data[0].pop("general.architecture", None)
     for key, f in r.fields.items():
-        if key.startswith("GGUF."):
+        if key.startswith("GGUF.") or key in drop:
             continue
         vt = f.types[0]
         value = template if key == "tokenizer.chat_template" and template is not None else f.contents()
@@ -125,6 +127,21 @@ def test_vocabularies_llama_cpp_would_abort_on_are_refused(tmp_path, case, needl
     path = str(tmp_path / f"{case}.gguf")
     _copy_with(default_model_path(), path, keys=_vocab_case(case))
     with pytest.raises(ModelError, match=needle):
+        Tokenizer(load_model(path))
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"keys": {"tokenizer.ggml.pre": "nosuch"}}, "llama.cpp says: error loading model vocabulary: "
+                                                  "unknown pre-tokenizer type: 'nosuch'$"),
+    ({"drop": ("tokenizer.ggml.merges",)}, "llama.cpp says: error loading model vocabulary: "
+                                           "cannot find tokenizer merges in model file$"),
+])
+def test_a_vocabulary_llama_cpp_refuses_names_its_reason(tmp_path, kw, needle):
+    """Vocabularies llama.cpp refuses to load (with an exception, not an abort):
+    the error says which reason llama.cpp logged, not only that the load failed."""
+    path = str(tmp_path / "vocab.gguf")
+    _copy_with(default_model_path(), path, **kw)
+    with pytest.raises(ModelError, match=f"^cannot load tokenizer from {re.escape(path)}: {needle}"):
         Tokenizer(load_model(path))
 
 
