@@ -75,7 +75,8 @@ r = client.chat.completions.create(model=model, max_tokens=48,
                                    messages=[{"role": "user", "content": "Name three primary colors."}])
 att = r.model_extra["attestation"]
 print(r.choices[0].message.content)
-print(f"attestation {att['id']} (output digest {att['output_digest']}, key id {att['key_id']})")
 atomic_write("quickstart/answer.bxa", urllib.request.urlopen(f"{url}/v1/attestations/{att['id']}").read())
+print(f"attestation {att['id']} written to quickstart/answer.bxa (output digest {att['output_digest']}, "
+      f"key id {att['key_id']})")
 PY
 bitexact verify quickstart/answer.bxa --trusted-key quickstart/node.pub.pem
