@@ -142,7 +142,9 @@ def load_model(path: str) -> Model:
         raise ModelError(f"model path is not a regular file: {path}")
     try:
         reader = GGUFReader(path, "r")
-    except Exception as e:  # gguf raises ValueError/IndexError/struct.error/OSError on bad files
+    except OSError as e:  # the file itself could not be opened or read (permissions, I/O)
+        raise ModelError(f"cannot read GGUF file {path}: {e.strerror or e}") from None
+    except Exception as e:  # gguf raises ValueError/IndexError/struct.error on bad contents
         raise ModelError(f"cannot read GGUF file {path}: it is truncated or corrupt (the GGUF reader says: {e})") \
             from None
     arch = _field(reader, "general.architecture")

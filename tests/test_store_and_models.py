@@ -3,6 +3,7 @@ malformed GGUF metadata and tensor shapes are refused with a ModelError."""
 
 import hashlib
 import os
+import re
 import sqlite3
 
 import numpy as np
@@ -151,6 +152,21 @@ def test_truncated_gguf_is_one_model_error(tmp_path):
         path.write_bytes(data[:cut])
         with pytest.raises(ModelError, match=f"cannot read GGUF file {path}: it is truncated or corrupt"):
             load_model(str(path))
+
+
+def test_an_unreadable_gguf_is_not_called_corrupt(tmp_path, monkeypatch):
+    """An OSError opening or reading the file (here EACCES, which root never gets
+    from chmod) is named as such, not as a truncated or corrupt file."""
+    import gguf
+
+    path = write_model(str(tmp_path / "m.gguf"), "tiny", "Q8_0")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    with pytest.raises(ModelError, match=f"^cannot read GGUF file {re.escape(path)}: Permission denied$"):
+        load_model(path)
 
 
 @pytest.mark.parametrize("metadata,scale", [
