@@ -99,17 +99,19 @@ def generate(path: str, passphrase: bytes | None = None) -> str:
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, enc)
     pub = key.public_key().public_bytes(serialization.Encoding.PEM,
                                         serialization.PublicFormat.SubjectPublicKeyInfo)
+    target = path   # the file being written when an error comes: the private key, then the public key
     try:
         atomic_write(path, pem, mode=0o600, overwrite=False)
+        target = pub_path
         try:
             atomic_write(pub_path, pub, mode=0o644, overwrite=False)
         except BaseException:
             os.unlink(path)
             raise
     except FileExistsError as e:
-        raise KeyError_(f"refusing to overwrite existing file {e.filename or path}") from None
+        raise KeyError_(f"refusing to overwrite existing file {e.filename or target}") from None
     except OSError as e:
-        raise KeyError_(f"cannot write key {path}: {e.strerror}") from None
+        raise KeyError_(f"cannot write {'public ' if target == pub_path else ''}key {target}: {e.strerror}") from None
     return key_id(public_raw(key))
 
 

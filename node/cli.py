@@ -99,8 +99,12 @@ def cmd_keygen(args) -> int:
 
 def _float(name):
     def conv(s):
+        from .generate import RoundsToZero, exact_float
+
         try:
-            return float(s)
+            return exact_float(s)
+        except RoundsToZero as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
     return conv

@@ -34,7 +34,7 @@ from attest.envelope import open_envelope, seal
 from . import __version__
 from .engine import Engine
 from .errors import AttestationError, BitexactError, KeyError_, RequestError, one_line
-from .generate import Request, build_request, unique_names
+from .generate import Request, RoundsToZero, build_request, exact_float, unique_names
 from .provenance import build_payload, device_record
 from .sampler import SamplingParams
 from .scheduler import Draining, QueueFull, Scheduler
@@ -451,7 +451,10 @@ def make_app(node: Node, max_body_bytes: int = 1 << 20, body_timeout_s: float = 
         if coding in CODINGS:
             raw = decode_body(raw, coding, max_body_bytes)
         try:
-            return json.loads(raw.decode("utf-8"), parse_constant=_not_json, object_pairs_hook=unique_names)
+            return json.loads(raw.decode("utf-8"), parse_constant=_not_json, parse_float=exact_float,
+                              object_pairs_hook=unique_names)
+        except RoundsToZero as e:
+            raise ApiError(400, f"a number of the request body: {e}") from None
         except (ValueError, RecursionError) as e:   # bad JSON, not UTF-8, too deep, too long an integer
             raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
 

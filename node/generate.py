@@ -28,6 +28,22 @@ class DuplicateName(ValueError):
     """A JSON object that gives one name twice (raised by :func:`unique_names`)."""
 
 
+class RoundsToZero(ValueError):
+    """A nonzero number that rounds to 0 as a double (raised by :func:`exact_float`)."""
+
+
+def exact_float(text: str) -> float:
+    """``float(text)`` (also ``json.loads``' ``parse_float`` hook), refusing a nonzero
+    literal that underflows to 0 in IEEE 754 binary64, such as ``1e-400``: a request
+    must not run with another value than the one it names (a temperature of 1e-400
+    would be greedy decoding). Raises ValueError for text that is not a number and
+    :class:`RoundsToZero` for an underflow."""
+    v = float(text)
+    if v == 0.0 and any(c in "123456789" for c in text.lower().split("e")[0]):
+        raise RoundsToZero(f"{text.strip()} is not 0 but rounds to 0 as a double (IEEE 754 binary64)")
+    return v
+
+
 def unique_names(pairs: list) -> dict:
     """``json.loads``' object hook: a name given twice in one object raises
     :class:`DuplicateName`. RFC 8259 section 4 leaves such an object's meaning

@@ -333,6 +333,15 @@ def test_keygen_errors_write_nothing(tmp_path, setup, args):
         assert msg.endswith("--out must not be empty")
 
 
+def test_keygen_names_the_public_key_it_cannot_write(tmp_path):
+    """A private key name the folder allows whose public key name (``.pub.pem``) is
+    too long: the error names the public key, and neither file is left."""
+    name = "x" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 4) + ".pem"   # the longest allowed name
+    msg = assert_input_error(bx(tmp_path, "keygen", "--out", name))
+    assert msg.startswith(f"bitexact: error: cannot write public key {name[:-4]}.pub.pem: "), msg
+    assert listing(tmp_path) == []
+
+
 def test_env_passphrase_is_the_environment_bytes(tmp_path):
     """BITEXACT_KEY_PASSPHRASE is taken as the bytes the OS holds, UTF-8 or not:
     keygen encrypts with them and run decrypts with them; over 1023 bytes is one
@@ -448,6 +457,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--temperature", "nan"], "temperature"),
     (["--prompt", "hi", "--temperature=-0"], "temperature must be 0 or in [1e-06, 100], got -0.0"),
     (["--prompt", "hi", "--temperature", "-0.0"], "temperature must be 0 or in [1e-06, 100], got -0.0"),
+    (["--prompt", "hi", "--temperature", "1e-400"], "argument --temperature: 1e-400 is not 0 but rounds to 0"),
+    (["--prompt", "hi", "--top-p=-1_0e-999"], "argument --top-p: -1_0e-999 is not 0 but rounds to 0"),
     (["--prompt", "hi", "--top-p", "0"], "top_p"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
     (["--prompt", "hi", "--top-k", "-1"], "top_k"),

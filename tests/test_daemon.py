@@ -417,6 +417,9 @@ def test_expect_encodings_and_charsets(key, tmp_path):
                 (b"", ok.decode().encode("utf-32"), b"400", "not valid JSON"),
                 (b"", ok[:-1] + b', "user": NaN}', b"400", "NaN is not a JSON number"),   # RFC 8259 section 6
                 (b"", ok[:-1] + b', "metadata": -Infinity}', b"400", "-Infinity is not a JSON number"),
+                (b"", ok[:-1] + b', "temperature": 1e-400}', b"400",   # not greedy decoding in disguise
+                 "a number of the request body: 1e-400 is not 0 but rounds to 0"),
+                (b"", ok[:-1] + b', "temperature": 0.0e-400}', b"200", None),
                 (b"gzip, gzip", gzip.compress(gzip.compress(ok)), b"415", "unsupported Content-Encoding"),
                 (b"br", ok, b"415", "unsupported Content-Encoding"),
                 (b"compress", ok, b"415", "unsupported Content-Encoding"),
