@@ -39,7 +39,8 @@ def exact_float(text: str) -> float:
     would be greedy decoding). Raises ValueError for text that is not a number and
     :class:`RoundsToZero` for an underflow."""
     v = float(text)
-    if v == 0.0 and any(c in "123456789" for c in text.lower().split("e")[0]):
+    # a nonzero digit before the exponent (float() reads any Unicode decimal digit)
+    if v == 0.0 and any(c.isdecimal() and int(c) for c in text.lower().split("e")[0]):
         raise RoundsToZero(f"{text.strip()} is not 0 but rounds to 0 as a double (IEEE 754 binary64)")
     return v
 

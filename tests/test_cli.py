@@ -459,6 +459,7 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--temperature", "-0.0"], "temperature must be 0 or in [1e-06, 100], got -0.0"),
     (["--prompt", "hi", "--temperature", "1e-400"], "argument --temperature: 1e-400 is not 0 but rounds to 0"),
     (["--prompt", "hi", "--top-p=-1_0e-999"], "argument --top-p: -1_0e-999 is not 0 but rounds to 0"),
+    (["--prompt", "hi", "--temperature", "\u0663e-999"], "is not 0 but rounds to 0"),   # an Arabic-Indic 3
     (["--prompt", "hi", "--top-p", "0"], "top_p"),
     (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
     (["--prompt", "hi", "--top-k", "-1"], "top_k"),
