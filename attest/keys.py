@@ -108,8 +108,8 @@ def generate(path: str, passphrase: bytes | None = None) -> str:
         except BaseException:
             os.unlink(path)
             raise
-    except FileExistsError as e:
-        raise KeyError_(f"refusing to overwrite existing file {e.filename or target}") from None
+    except FileExistsError:   # made since the check above (os.link's filename is the temp file)
+        raise KeyError_(f"refusing to overwrite existing file {target}") from None
     except OSError as e:
         raise KeyError_(f"cannot write {'public ' if target == pub_path else ''}key {target}: {e.strerror}") from None
     return key_id(public_raw(key))

@@ -11,6 +11,7 @@ import copy
 import hashlib
 import os
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -719,6 +720,23 @@ def test_keygen_that_fails_after_a_link_leaves_neither_file(tmp_path, monkeypatc
     with pytest.raises((KeyError_, KeyboardInterrupt)):
         keys.generate(str(tmp_path / "KEY.pem"))
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("late", ["KEY.pem", "KEY.pub.pem"])
+def test_keygen_names_a_file_made_after_its_check(tmp_path, monkeypatch, late):
+    """A key file that appears between keygen's check and its link: refused, the
+    message names that file (not the temp file), the newcomer is kept and no other
+    file is left."""
+    real = keys.atomic_write
+
+    def racing(path, data, **kw):
+        if os.path.basename(path) == late:
+            (tmp_path / late).write_bytes(b"newcomer")
+        return real(path, data, **kw)
+    monkeypatch.setattr(keys, "atomic_write", racing)
+    with pytest.raises(KeyError_, match=f"^refusing to overwrite existing file {re.escape(str(tmp_path / late))}$"):
+        keys.generate(str(tmp_path / "KEY.pem"))
+    assert os.listdir(tmp_path) == [late] and (tmp_path / late).read_bytes() == b"newcomer"
 
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink", "folder"])
