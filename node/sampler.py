@@ -64,7 +64,10 @@ class SamplingParams:
         attested as another request than 0), top_p in (0, 1], top_k in [0, 2**31),
         seed in [0, 2**64)."""
         t = self.temperature
-        if not ((t == 0.0 and math.copysign(1.0, t) > 0) or MIN_TEMPERATURE <= t <= 100.0):
+        if t == 0.0 and math.copysign(1.0, t) < 0:
+            raise RequestError("temperature -0.0 is refused: write 0 (a signed zero would be attested as another "
+                               "request than 0)", "temperature")
+        if not (t == 0.0 or MIN_TEMPERATURE <= t <= 100.0):
             raise RequestError(f"temperature must be 0 or in [{MIN_TEMPERATURE}, 100], got {t}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-python -m pytest -q "$@"
+exec python -m pytest -q "$@"   # exec: a signal to this script reaches pytest

@@ -455,8 +455,8 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--max-tokens", "-1"], "max tokens"),
     (["--prompt", "hi", "--temperature", "-0.5"], "temperature"),
     (["--prompt", "hi", "--temperature", "nan"], "temperature"),
-    (["--prompt", "hi", "--temperature=-0"], "temperature must be 0 or in [1e-06, 100], got -0.0"),
-    (["--prompt", "hi", "--temperature", "-0.0"], "temperature must be 0 or in [1e-06, 100], got -0.0"),
+    (["--prompt", "hi", "--temperature=-0"], "temperature -0.0 is refused: write 0"),
+    (["--prompt", "hi", "--temperature", "-0.0"], "temperature -0.0 is refused: write 0"),
     (["--prompt", "hi", "--temperature", "1e-400"], "argument --temperature: 1e-400 is not 0 but rounds to 0"),
     (["--prompt", "hi", "--top-p=-1_0e-999"], "argument --top-p: -1_0e-999 is not 0 but rounds to 0"),
     (["--prompt", "hi", "--temperature", "\u0663e-999"], "is not 0 but rounds to 0"),   # an Arabic-Indic 3

@@ -1,0 +1,146 @@
+"""What row-scaled integer codes for float weights would cost in fidelity (CPU).
+
+docs/benchmarks.md ("The route past batch 32") weighs a contract for F16/BF16
+products in which each weight row and each token's input become integer codes
+with one power-of-two scale each (``rne(a / 2^(E - bits))``, E the binary
+exponent of the row's largest magnitude; 12 bits for weights, 19 for inputs),
+the dot product is the exact integer sum of code products, and the output is
+that integer times both scales, rounded once to fp32. Its sums are exact in
+any order, so int8 tensor cores could compute it; its codes round the weights
+and inputs. This script measures that rounding on real weights: the default
+model's matrices dequantized and rounded to BF16 (a BF16 copy of SmolLM2-135M),
+run by the CPU engine with three float-product rules:
+
+* ``contract``: the node's rule (node/reference.py matmul_f, fp32 lane sums);
+* ``float64``: every product in float64, rounded once to fp32 (a near-exact
+  reference for how far each rule is from the real value);
+* ``rowint``: the integer-code rule above.
+
+For each prompt it reports the largest logit difference from ``float64`` at
+every prefill position and greedy step, and how many greedy tokens each rule
+keeps in common with ``float64``. A study of a proposal, not the node's code.
+
+    python scripts/rowint_fidelity.py [--tokens 48] [--out rowint.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from node import reference  # noqa: E402
+from node.engine import Engine  # noqa: E402
+from node.gguf_model import default_model_path, dequantize_rows, load_model  # noqa: E402
+from node.tokenizer import Tokenizer  # noqa: E402
+
+PROMPTS = [
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is the capital of France? Answer in one sentence.",
+    "Explain in two sentences why the sky is blue.",
+]
+W_BITS, X_BITS = 12, 19   # |code| <= 2^13 (two int8 slices), <= 2^20 (three)
+
+
+def row_codes(a: np.ndarray, bits: int):
+    """Integer codes (float64, exact integers) and scale exponents of each row of fp32 ``a``."""
+    amax = np.max(np.abs(a), axis=1)
+    s = np.where(amax > 0, np.frexp(amax)[1] - 1 - bits, 0)
+    return np.rint(np.ldexp(a.astype(np.float64), -s[:, None])), s
+
+
+def bf16_copy(src: str, dst: str) -> str:
+    """``src`` with every 2-D tensor dequantized and rounded to BF16 (round to nearest even)."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    model = load_model(src)
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, "llama")
+    w.kv_data[0].pop("general.architecture", None)
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF."):
+            vt = f.types[0]
+            w.add_key_value(key, f.contents(), vt, f.types[1] if vt == GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        mt = model.tensors[t.name]
+        if len(t.shape) == 2:
+            v = dequantize_rows(mt, np.arange(mt.rows)).astype(np.float32).view(np.uint32)
+            b = ((v + 0x7FFF + ((v >> 16) & 1)) >> 16).astype(np.uint16)
+            w.add_tensor(t.name, b, raw_shape=b.shape, raw_dtype=GGMLQuantizationType.BF16)
+        else:
+            data = np.array(t.data)
+            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    path = bf16_copy(default_model_path(), os.path.join(tempfile.mkdtemp(), "smollm2-bf16.gguf"))
+    model = load_model(path)
+    tok = Tokenizer(model)
+    contract = reference.matmul_f
+    wcodes: dict = {}
+
+    def f64(x, w, g=None, lanes=reference.WARP):
+        return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+
+    def rowint(x, w, g=None, lanes=reference.WARP):
+        key = (id(w), w.shape)
+        if key not in wcodes:
+            wcodes[key] = (w, row_codes(w, W_BITS))
+        wc, sw = wcodes[key][1]
+        xc, sx = row_codes(x, X_BITS)
+        exact = xc @ wc.T   # integers below 2^53: exact in any order
+        return np.ldexp(exact, sx[:, None] + sw[None, :]).astype(np.float32)
+
+    rules = {"contract": contract, "float64": f64, "rowint": rowint}
+    report = {"model": "SmolLM2-135M-Instruct, 2-D tensors as BF16", "tokens": args.tokens, "prompts": []}
+    for prompt in PROMPTS:
+        ids = tok.encode(tok.render_chat([{"role": "user", "content": prompt}]), special=True)
+        runs = {}
+        for name, fn in rules.items():
+            reference.matmul_f = fn
+            eng = Engine(model)
+            seq = eng.new_sequence()
+            logits = [eng.forward([(seq, ids)])[0]]
+            out = []
+            for _ in range(args.tokens):
+                out.append(int(np.argmax(logits[-1])))
+                logits.append(eng.forward([(seq, [out[-1]])])[0])
+            runs[name] = (out, logits)
+        reference.matmul_f = contract
+        ref_out, ref_logits = runs["float64"]
+        entry = {"prompt": prompt}
+        for name in ("contract", "rowint"):
+            out, logits = runs[name]
+            same = next((i for i, (a, b) in enumerate(zip(out, ref_out)) if a != b), len(out))
+            # logit differences over the steps both runs share the same tokens (prefill and after)
+            diffs = [float(np.max(np.abs(a - b))) for a, b in zip(logits[:same + 1], ref_logits[:same + 1])]
+            entry[name] = {"same_greedy_tokens": same, "max_logit_diff": max(diffs),
+                           "median_step_max_diff": float(np.median(diffs))}
+        entry["text"] = tok.decode(ref_out)
+        report["prompts"].append(entry)
+        print(json.dumps(entry), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
