@@ -545,3 +545,124 @@ matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
     else if (wtype == BX_F16) bx_matmul_f_t<BX_F16>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
     else bx_matmul_f_t<BX_BF16>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
 }
+
+// ---- rowint: row-scaled integer codes, exact integer products ----------------
+// The rowint route (docs/benchmarks.md "The route past batch 32"; twins
+// node/reference.py quantize_rowint, matmul_rowint): y[m, n] = fp32_rn(I *
+// 2^(sx[m] + sw[n])) with the exact integer I = sum_k cx[m, k] cw[n, k]. Weight
+// codes (|cw| <= 2^13) are two int8 slices, cw = 128 wh + wl (wl in 0..127);
+// input codes (|cx| <= 2^20) three, cx = 2^14 xh + 2^7 xm + xl. Slice products
+// of one weight 2^(7j) share an accumulator (j = 0 .. 3), each below 2^31 for
+// K < 2^16, so every MMA sum is exact and any split of K or tokens gives the
+// same I. Layouts (a permutation, node/backend_cuda.py pack_rowint): weights
+// per 16-row tile rt, k-step kk (32 elements) and slice s as the 512 bytes of
+// the m16n8k32 A fragments in lane order (record ((rt * KS + kk) * 2 + s));
+// inputs per 8-token tile tt, k-step kk and slice s as the 256 bytes of the B
+// fragments (record ((tt * KS + kk) * 3 + s)), tokens past M zero.
+#define RI_WARPS 8  // warps per block; each takes a contiguous share of the k-steps
+#ifndef RI_UNROLL
+#define RI_UNROLL 4  // k-steps whose weights a warp loads ahead (no sum depends on it)
+#endif
+constexpr int RI_U = RI_UNROLL;
+
+// D[16 x 8] (s32) += A[16 x 32] (s8, rows) * B[32 x 8] (s8, columns), one warp; exact.
+__device__ __forceinline__ void bx_mma_s8_acc(const unsigned int* a, unsigned int b0, unsigned int b1, int* d) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 weight bytes that no other access of the launch reads: bypass L1 (as BxChunk).
+__device__ __forceinline__ uint4 bx_ld_stream(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+#define RI_NT 4     // 8-token tiles per block (RI_NT * 8 tokens per pass)
+
+// quantize_rowint: one block per token (rows past M write zero codes).
+extern "C" __global__ void __launch_bounds__(256) quantize_rowint(const float* __restrict__ x,
+                                                                  unsigned char* __restrict__ px, int* __restrict__ sx,
+                                                                  int M, int K) {
+    __shared__ float red[8];
+    int m = blockIdx.x, KS = K >> 5;
+    bx_pdl_wait();
+    float amax = 0.0f;
+    if (m < M)
+        for (int k = threadIdx.x; k < K; k += blockDim.x) amax = fmaxf(amax, fabsf(x[(size_t)m * K + k]));
+#pragma unroll
+    for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(BX_FULL, amax, off));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = red[0];
+    for (int i = 1; i < (int)(blockDim.x >> 5); ++i) amax = fmaxf(amax, red[i]);
+    int s = amax > 0.0f ? ilogbf(amax) - 19 : 0;
+    if (m < M && threadIdx.x == 0) sx[m] = s;
+    double f = __longlong_as_double((long long)(1023 - s) << 52);  // 2^-s, exact
+    int tt = m >> 3, gid = m & 7;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        int c = m < M ? __double2int_rn((double)x[(size_t)m * K + k] * f) : 0;
+        int kk = k >> 5, kr = k & 31, lane = gid * 4 + ((kr & 15) >> 2);
+        size_t o = (size_t)(tt * KS + kk) * 3 * 256 + lane * 8 + (kr >> 4) * 4 + (kr & 3);
+        px[o] = (unsigned char)(c & 127);
+        px[o + 256] = (unsigned char)((c >> 7) & 127);
+        px[o + 512] = (unsigned char)(c >> 14);
+    }
+}
+
+// matmul_rowint: block (rt, token pass) computes 16 rows x RI_NT * 8 tokens; warp w adds
+// k-steps kk in [w KS / RI_WARPS, (w + 1) KS / RI_WARPS); the warps' int64 partials meet in
+// shared memory (exact), then each output is scaled once.
+extern "C" __global__ void __launch_bounds__(32 * RI_WARPS) matmul_rowint(
+    const uint4* __restrict__ pw, const int* __restrict__ sw, const uint2* __restrict__ px,
+    const int* __restrict__ sx, float* __restrict__ y, int M, int N, int K) {
+    __shared__ long long part[RI_WARPS][16][RI_NT * 8];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, KS = K >> 5, rt = blockIdx.x;
+    int tt0 = blockIdx.y * RI_NT, nt = min(RI_NT, ((M + 7) >> 3) - tt0);
+    int k0 = w * KS / RI_WARPS, k1 = (w + 1) * KS / RI_WARPS;
+    bx_pdl_wait();
+    int acc[RI_NT][4][4];
+#pragma unroll
+    for (int t = 0; t < RI_NT; ++t)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[t][j][i] = 0;
+    const uint4* wp = pw + (size_t)rt * KS * 2 * 32 + lane;
+#pragma unroll RI_U
+    for (int kk = k0; kk < k1; ++kk) {
+        uint4 wl = bx_ld_stream(wp + (size_t)kk * 64), wh = bx_ld_stream(wp + (size_t)kk * 64 + 32);
+        unsigned int al[4] = {wl.x, wl.y, wl.z, wl.w}, ah[4] = {wh.x, wh.y, wh.z, wh.w};
+#pragma unroll
+        for (int t = 0; t < RI_NT; ++t) {
+            if (t >= nt) break;
+            const uint2* xp = px + ((size_t)((tt0 + t) * KS + kk) * 3) * 32 + lane;
+            uint2 xl = __ldg(xp), xm = __ldg(xp + 32), xh = __ldg(xp + 64);
+            bx_mma_s8_acc(al, xl.x, xl.y, acc[t][0]);  // 2^0
+            bx_mma_s8_acc(al, xm.x, xm.y, acc[t][1]);  // 2^7
+            bx_mma_s8_acc(ah, xl.x, xl.y, acc[t][1]);
+            bx_mma_s8_acc(al, xh.x, xh.y, acc[t][2]);  // 2^14
+            bx_mma_s8_acc(ah, xm.x, xm.y, acc[t][2]);
+            bx_mma_s8_acc(ah, xh.x, xh.y, acc[t][3]);  // 2^21
+        }
+    }
+    int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int t = 0; t < RI_NT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            part[w][gid + 8 * (i >> 1)][8 * t + 2 * tig + (i & 1)] =
+                (long long)acc[t][0][i] + ((long long)acc[t][1][i] << 7) + ((long long)acc[t][2][i] << 14) +
+                ((long long)acc[t][3][i] << 21);
+    __syncthreads();
+    for (int o = threadIdx.x; o < 16 * RI_NT * 8; o += blockDim.x) {
+        int r = o / (RI_NT * 8), c = o % (RI_NT * 8), m = tt0 * 8 + c, n = rt * 16 + r;
+        if (m >= M) continue;
+        long long I = 0;
+#pragma unroll
+        for (int v = 0; v < RI_WARPS; ++v) I += part[v][r][c];
+        int e = sx[m] + sw[n];  // |e| < 1022: 2^e is a normal double
+        y[(size_t)m * N + n] = __double2float_rn((double)I * __longlong_as_double((long long)(1023 + e) << 52));
+    }
+}

@@ -1,0 +1,179 @@
+"""The rowint route's kernels on the GPU: bit-exact against their numpy twins, and timed.
+
+cuda/matmul.cu quantize_rowint and matmul_rowint (the rowint route weighed in
+docs/benchmarks.md "The route past batch 32") against node/reference.py
+quantize_rowint and matmul_rowint: for small and Llama-3.1-8B-shaped matrices
+and token counts that do and do not fill a tile, the input codes (packed), the
+scale exponents and the output bytes must be equal. Then each product of the
+8B shape (Q/K/V fused, O, gate/up fused, down, LM head) is timed at batch 1, 8,
+32 and 64 (quantize_rowint + matmul_rowint, CUDA events over repeated
+launches) beside torch's bf16 matmul (cuBLAS) of the same shape, and the
+products of a whole 32-layer step are summed. Exits 1 on any mismatch.
+
+    python3 scripts/bench_rowint.py [--reps 20] [--out rowint_gpu.json] [-D FLAG ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from node import reference as ref  # noqa: E402
+from node.backend_cuda import ROOT, cubin_path, pack_rowint  # noqa: E402
+
+SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+             "lm_head": (128256, 4096)}
+CHECKS = [((64, 96), (1, 3, 8)), ((6144, 4096), (1, 5, 8, 32, 33, 64)), ((4096, 14336), (1, 32, 64)),
+          ((28672, 4096), (7, 32))]
+
+
+def pack_x(codes: np.ndarray) -> np.ndarray:
+    """Input codes ``[M, K]`` as quantize_rowint writes them: per 8-token tile and
+    k-step, the slices ``c & 127``, ``(c >> 7) & 127``, ``c >> 14``, each the 256
+    bytes of the B fragments in lane order; tokens past M zero."""
+    m, k = codes.shape
+    mp = -(-m // 8) * 8
+    c = np.zeros((mp, k), np.int32)
+    c[:m] = codes
+    out = [(s.astype(np.int8).reshape(mp // 8, 8, k // 32, 2, 4, 4).transpose(0, 2, 1, 4, 3, 5)
+            .reshape(mp // 8, k // 32, 256)) for s in (c & 127, (c >> 7) & 127, c >> 14)]
+    return np.stack(out, axis=2).view(np.uint8)
+
+
+class Rowint:
+    def __init__(self, defines):
+        import cupy as cp
+
+        self.cp = cp
+        mod = cp.RawModule(path=cubin_path(os.path.join(ROOT, "cuda", "matmul.cu"), tuple(defines)))
+        self.q, self.mm = mod.get_function("quantize_rowint"), mod.get_function("matmul_rowint")
+
+    def weights(self, w: np.ndarray):
+        """Host weights fp32 ``[N, K]`` -> device (packed codes, exponents) and the twin's codes."""
+        cw, sw = ref.quantize_rowint(w, ref.W_CODE_BITS)
+        return (self.cp.asarray(pack_rowint(np, cw)), self.cp.asarray(sw)), (cw, sw)
+
+    def quantize(self, x):
+        cp = self.cp
+        m, k = x.shape
+        mp = -(-m // 8) * 8
+        px = cp.empty((mp // 8, k // 32, 3, 256), cp.uint8)
+        sx = cp.empty(m, cp.int32)
+        self.q((mp,), (256,), (x, px, sx, np.int32(m), np.int32(k)))
+        return px, sx
+
+    def matmul(self, px, sx, pw, sw, m, n, k, y):
+        assert n % 16 == 0 and k % 32 == 0 and pw.shape == (n // 16, k // 32, 2, 512) and y.shape == (m, n)
+        self.mm((n // 16, -(-m // 32)), (256,), (pw, sw, px, sx, y, np.int32(m), np.int32(n), np.int32(k)))
+
+
+def weights_like(rng, n: int, k: int) -> np.ndarray:
+    """BF16-valued fp32 weights ``[N, K]``: normal with a few large entries per row (outliers)."""
+    w = rng.standard_normal((n, k), np.float32) * np.float32(0.02)
+    w[np.arange(n), rng.integers(0, k, n)] *= np.float32(40.0)
+    return (w.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def inputs_like(rng, m: int, k: int) -> np.ndarray:
+    x = rng.standard_normal((m, k), np.float32)
+    x[:, rng.integers(0, k, 4)] *= np.float32(30.0)   # outlier channels
+    x[:, :3] = [0.0, -0.0, 1e-40]                     # zeros and a subnormal
+    return x
+
+
+def check(ri: Rowint, rng) -> list:
+    cp = ri.cp
+    out = []
+    for (n, k), ms in CHECKS:
+        w = weights_like(rng, n, k)
+        (pw, sw), wr = ri.weights(w)
+        for m in ms:
+            x = inputs_like(rng, m, k)
+            xr = ref.quantize_rowint(x, ref.X_CODE_BITS)
+            want = ref.matmul_rowint(xr, wr)
+            px, sx = ri.quantize(cp.asarray(x))
+            y = cp.empty((m, n), cp.float32)
+            ri.matmul(px, sx, pw, sw, m, n, k, y)
+            got = cp.asnumpy(y)
+            ok = {"codes": bool(np.array_equal(cp.asnumpy(px), pack_x(xr[0].astype(np.int32)))),
+                  "exponents": bool(np.array_equal(cp.asnumpy(sx), xr[1])),
+                  "output": got.tobytes() == want.tobytes()}
+            row = {"n": n, "k": k, "m": m, **ok, "sha256": hashlib.sha256(want.tobytes()).hexdigest()[:16],
+                   "differing": int(np.sum(got.view(np.uint32) != want.view(np.uint32)))}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
+def timed(cp, fn, reps: int) -> float:
+    fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / reps * 1e3   # us
+
+
+def bench(ri: Rowint, rng, reps: int) -> dict:
+    import torch
+
+    cp = ri.cp
+    res = {}
+    for name, (n, k) in SHAPES_8B.items():
+        w16 = weights_like(np.random.default_rng(1), 16, k)   # timed, not checked: one 16-row tile repeated
+        cw, sw = ref.quantize_rowint(w16, ref.W_CODE_BITS)
+        pw = pack_rowint(cp, cp.tile(cp.asarray(cw), (n // 16, 1)))
+        sw = cp.tile(cp.asarray(sw), n // 16)
+        wt = torch.as_tensor(cp.tile(cp.asarray(w16), (n // 16, 1)), device="cuda").to(torch.bfloat16)
+        res[name] = {}
+        for m in (1, 8, 32, 64):
+            x = cp.asarray(inputs_like(rng, m, k))
+            y = cp.empty((m, n), cp.float32)
+
+            def run():
+                px, sx = ri.quantize(x)
+                ri.matmul(px, sx, pw, sw, m, n, k, y)
+            xt = torch.as_tensor(x, device="cuda").to(torch.bfloat16)
+            t_ri = timed(cp, run, reps)
+            t_bl = timed(cp, lambda: torch.matmul(xt, wt.T), reps)
+            res[name][m] = {"rowint_us": round(t_ri, 1), "cublas_bf16_us": round(t_bl, 1),
+                            "rowint_TBps": round(2 * n * k / t_ri / 1e6, 2)}
+            print(name, m, res[name][m], flush=True)
+        del pw, wt
+        cp.get_default_memory_pool().free_all_blocks()
+    layer = ("qkv", "o", "gate_up", "down")
+    res["step_32_layers_ms"] = {m: {e: round((32 * sum(res[p][m][e] for p in layer) + res["lm_head"][m][e]) / 1e3, 3)
+                                    for e in ("rowint_us", "cublas_bf16_us")} for m in (1, 8, 32, 64)}
+    print(json.dumps(res["step_32_layers_ms"]), flush=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out")
+    ap.add_argument("-D", action="append", default=[], help="a -D flag for cuda/matmul.cu (repeatable)")
+    args = ap.parse_args()
+    ri = Rowint([f"-D{d}" for d in args.D])
+    rng = np.random.default_rng(7)
+    checks = check(ri, rng)
+    report = {"defines": args.D, "checks": checks, "bench": bench(ri, rng, args.reps)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    bad = [c for c in checks if not (c["codes"] and c["exponents"] and c["output"])]
+    print(f"{len(checks) - len(bad)} of {len(checks)} checks bit-exact")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
