@@ -580,6 +580,10 @@ __device__ __forceinline__ uint4 bx_ld_stream(const uint4* p) {
     return v;
 }
 #define RI_NT 4     // 8-token tiles per block (RI_NT * 8 tokens per pass)
+#ifndef RI_RB
+#define RI_RB 1  // 16-row tiles per block: warp w takes tile w % RI_RB and k-part w / RI_RB of RI_WARPS / RI_RB
+#endif
+static_assert(RI_WARPS % RI_RB == 0, "whole k-parts");
 
 // quantize_rowint: one block per token (rows past M write zero codes).
 extern "C" __global__ void __launch_bounds__(256) quantize_rowint(const float* __restrict__ x,
@@ -618,9 +622,10 @@ extern "C" __global__ void __launch_bounds__(32 * RI_WARPS) matmul_rowint(
     const uint4* __restrict__ pw, const int* __restrict__ sw, const uint2* __restrict__ px,
     const int* __restrict__ sx, float* __restrict__ y, int M, int N, int K) {
     __shared__ long long part[RI_WARPS][16][RI_NT * 8];
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, KS = K >> 5, rt = blockIdx.x;
-    int tt0 = blockIdx.y * RI_NT, nt = min(RI_NT, ((M + 7) >> 3) - tt0);
-    int k0 = w * KS / RI_WARPS, k1 = (w + 1) * KS / RI_WARPS;
+    constexpr int KP = RI_WARPS / RI_RB;  // k-parts per row tile
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, KS = K >> 5, rt = blockIdx.y * RI_RB + w % RI_RB;
+    int tt0 = blockIdx.x * RI_NT, nt = min(RI_NT, ((M + 7) >> 3) - tt0), kp = w / RI_RB;
+    int k0 = kp * KS / KP, k1 = (kp + 1) * KS / KP;
     bx_pdl_wait();
     int acc[RI_NT][4][4];
 #pragma unroll
@@ -629,6 +634,7 @@ extern "C" __global__ void __launch_bounds__(32 * RI_WARPS) matmul_rowint(
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[t][j][i] = 0;
+    if (rt * 16 >= N) k1 = k0;  // a tile past the matrix (N / 16 not a multiple of RI_RB)
     const uint4* wp = pw + (size_t)rt * KS * 2 * 32 + lane;
 #pragma unroll RI_U
     for (int kk = k0; kk < k1; ++kk) {
@@ -656,12 +662,13 @@ extern "C" __global__ void __launch_bounds__(32 * RI_WARPS) matmul_rowint(
                 (long long)acc[t][0][i] + ((long long)acc[t][1][i] << 7) + ((long long)acc[t][2][i] << 14) +
                 ((long long)acc[t][3][i] << 21);
     __syncthreads();
-    for (int o = threadIdx.x; o < 16 * RI_NT * 8; o += blockDim.x) {
-        int r = o / (RI_NT * 8), c = o % (RI_NT * 8), m = tt0 * 8 + c, n = rt * 16 + r;
-        if (m >= M) continue;
+    for (int o = threadIdx.x; o < RI_RB * 16 * RI_NT * 8; o += blockDim.x) {
+        int b = o / (16 * RI_NT * 8), r = o / (RI_NT * 8) % 16, c = o % (RI_NT * 8), m = tt0 * 8 + c;
+        int n = (blockIdx.y * RI_RB + b) * 16 + r;
+        if (m >= M || n >= N) continue;
         long long I = 0;
 #pragma unroll
-        for (int v = 0; v < RI_WARPS; ++v) I += part[v][r][c];
+        for (int v = 0; v < KP; ++v) I += part[v * RI_RB + b][r][c];
         int e = sx[m] + sw[n];  // |e| < 1022: 2^e is a normal double
         y[(size_t)m * N + n] = __double2float_rn((double)I * __longlong_as_double((long long)(1023 + e) << 52));
     }
