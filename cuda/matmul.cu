@@ -579,9 +579,14 @@ __device__ __forceinline__ uint4 bx_ld_stream(const uint4* p) {
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
-#define RI_NT 4     // 8-token tiles per block (RI_NT * 8 tokens per pass)
+#ifndef RI_NT
+#define RI_NT 4  // 8-token tiles per block (RI_NT * 8 tokens per pass)
+#endif
 #ifndef RI_RB
 #define RI_RB 1  // 16-row tiles per block: warp w takes tile w % RI_RB and k-part w / RI_RB of RI_WARPS / RI_RB
+#endif
+#ifndef RI_RW
+#define RI_RW 1  // 16-row tiles per warp (sharing each x fragment load)
 #endif
 static_assert(RI_WARPS % RI_RB == 0, "whole k-parts");
 
@@ -621,55 +626,72 @@ extern "C" __global__ void __launch_bounds__(256) quantize_rowint(const float* _
 extern "C" __global__ void __launch_bounds__(32 * RI_WARPS) matmul_rowint(
     const uint4* __restrict__ pw, const int* __restrict__ sw, const uint2* __restrict__ px,
     const int* __restrict__ sx, float* __restrict__ y, int M, int N, int K) {
+    constexpr int KP = RI_WARPS / RI_RB, TR = RI_RB * RI_RW;  // k-parts per row group; row tiles per block
     __shared__ long long part[RI_WARPS][16][RI_NT * 8];
-    constexpr int KP = RI_WARPS / RI_RB;  // k-parts per row tile
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, KS = K >> 5, rt = blockIdx.y * RI_RB + w % RI_RB;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, KS = K >> 5;
+    int rt0 = blockIdx.y * TR + (w % RI_RB) * RI_RW;  // the warp's first row tile
     int tt0 = blockIdx.x * RI_NT, nt = min(RI_NT, ((M + 7) >> 3) - tt0), kp = w / RI_RB;
     int k0 = kp * KS / KP, k1 = (kp + 1) * KS / KP;
     bx_pdl_wait();
-    int acc[RI_NT][4][4];
+    int acc[RI_RW][RI_NT][4][4];
 #pragma unroll
-    for (int t = 0; t < RI_NT; ++t)
+    for (int r = 0; r < RI_RW; ++r)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int t = 0; t < RI_NT; ++t)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[t][j][i] = 0;
-    if (rt * 16 >= N) k1 = k0;  // a tile past the matrix (N / 16 not a multiple of RI_RB)
-    const uint4* wp = pw + (size_t)rt * KS * 2 * 32 + lane;
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[r][t][j][i] = 0;
+    const uint4* wp[RI_RW];
+#pragma unroll
+    for (int r = 0; r < RI_RW; ++r)  // a tile past the matrix reads the last one (its outputs are not stored)
+        wp[r] = pw + (size_t)min(rt0 + r, N / 16 - 1) * KS * 2 * 32 + lane;
 #pragma unroll RI_U
     for (int kk = k0; kk < k1; ++kk) {
-        uint4 wl = bx_ld_stream(wp + (size_t)kk * 64), wh = bx_ld_stream(wp + (size_t)kk * 64 + 32);
-        unsigned int al[4] = {wl.x, wl.y, wl.z, wl.w}, ah[4] = {wh.x, wh.y, wh.z, wh.w};
+        unsigned int al[RI_RW][4], ah[RI_RW][4];
+#pragma unroll
+        for (int r = 0; r < RI_RW; ++r) {
+            uint4 wl = bx_ld_stream(wp[r] + (size_t)kk * 64), wh = bx_ld_stream(wp[r] + (size_t)kk * 64 + 32);
+            al[r][0] = wl.x, al[r][1] = wl.y, al[r][2] = wl.z, al[r][3] = wl.w;
+            ah[r][0] = wh.x, ah[r][1] = wh.y, ah[r][2] = wh.z, ah[r][3] = wh.w;
+        }
 #pragma unroll
         for (int t = 0; t < RI_NT; ++t) {
             if (t >= nt) break;
             const uint2* xp = px + ((size_t)((tt0 + t) * KS + kk) * 3) * 32 + lane;
             uint2 xl = __ldg(xp), xm = __ldg(xp + 32), xh = __ldg(xp + 64);
-            bx_mma_s8_acc(al, xl.x, xl.y, acc[t][0]);  // 2^0
-            bx_mma_s8_acc(al, xm.x, xm.y, acc[t][1]);  // 2^7
-            bx_mma_s8_acc(ah, xl.x, xl.y, acc[t][1]);
-            bx_mma_s8_acc(al, xh.x, xh.y, acc[t][2]);  // 2^14
-            bx_mma_s8_acc(ah, xm.x, xm.y, acc[t][2]);
-            bx_mma_s8_acc(ah, xh.x, xh.y, acc[t][3]);  // 2^21
+#pragma unroll
+            for (int r = 0; r < RI_RW; ++r) {
+                bx_mma_s8_acc(al[r], xl.x, xl.y, acc[r][t][0]);  // 2^0
+                bx_mma_s8_acc(al[r], xm.x, xm.y, acc[r][t][1]);  // 2^7
+                bx_mma_s8_acc(ah[r], xl.x, xl.y, acc[r][t][1]);
+                bx_mma_s8_acc(al[r], xh.x, xh.y, acc[r][t][2]);  // 2^14
+                bx_mma_s8_acc(ah[r], xm.x, xm.y, acc[r][t][2]);
+                bx_mma_s8_acc(ah[r], xh.x, xh.y, acc[r][t][3]);  // 2^21
+            }
         }
     }
     int gid = lane >> 2, tig = lane & 3;
 #pragma unroll
-    for (int t = 0; t < RI_NT; ++t)
+    for (int r = 0; r < RI_RW; ++r) {  // the warps' partials of their r-th row tiles meet in shared memory
+        if (r) __syncthreads();
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            part[w][gid + 8 * (i >> 1)][8 * t + 2 * tig + (i & 1)] =
-                (long long)acc[t][0][i] + ((long long)acc[t][1][i] << 7) + ((long long)acc[t][2][i] << 14) +
-                ((long long)acc[t][3][i] << 21);
-    __syncthreads();
-    for (int o = threadIdx.x; o < RI_RB * 16 * RI_NT * 8; o += blockDim.x) {
-        int b = o / (16 * RI_NT * 8), r = o / (RI_NT * 8) % 16, c = o % (RI_NT * 8), m = tt0 * 8 + c;
-        int n = (blockIdx.y * RI_RB + b) * 16 + r;
-        if (m >= M || n >= N) continue;
-        long long I = 0;
+        for (int t = 0; t < RI_NT; ++t)
 #pragma unroll
-        for (int v = 0; v < KP; ++v) I += part[v * RI_RB + b][r][c];
-        int e = sx[m] + sw[n];  // |e| < 1022: 2^e is a normal double
-        y[(size_t)m * N + n] = __double2float_rn((double)I * __longlong_as_double((long long)(1023 + e) << 52));
+            for (int i = 0; i < 4; ++i)
+                part[w][gid + 8 * (i >> 1)][8 * t + 2 * tig + (i & 1)] =
+                    (long long)acc[r][t][0][i] + ((long long)acc[r][t][1][i] << 7) +
+                    ((long long)acc[r][t][2][i] << 14) + ((long long)acc[r][t][3][i] << 21);
+        __syncthreads();
+        for (int o = threadIdx.x; o < RI_RB * 16 * RI_NT * 8; o += blockDim.x) {
+            int g = o / (16 * RI_NT * 8), rr = o / (RI_NT * 8) % 16, c = o % (RI_NT * 8), m = tt0 * 8 + c;
+            int n = (blockIdx.y * TR + g * RI_RW + r) * 16 + rr;  // warp group g's r-th tile
+            if (m >= M || n >= N) continue;
+            long long I = 0;
+#pragma unroll
+            for (int v = 0; v < KP; ++v) I += part[v * RI_RB + g][rr][c];
+            int e = sx[m] + sw[n];  // |e| < 1022: 2^e is a normal double
+            y[(size_t)m * N + n] = __double2float_rn((double)I * __longlong_as_double((long long)(1023 + e) << 52));
+        }
     }
 }

@@ -54,7 +54,9 @@ class Rowint:
         self.cp = cp
         mod = cp.RawModule(path=cubin_path(os.path.join(ROOT, "cuda", "matmul.cu"), tuple(defines)))
         self.q, self.mm = mod.get_function("quantize_rowint"), mod.get_function("matmul_rowint")
-        self.rb = next((int(d.split("=")[1]) for d in defines if d.startswith("-DRI_RB=")), 1)
+        flag = {d.split("=")[0]: int(d.split("=")[1]) for d in defines if "=" in d}
+        self.rb = flag.get("-DRI_RB", 1) * flag.get("-DRI_RW", 1)   # row tiles per block
+        self.nt = flag.get("-DRI_NT", 4)                               # 8-token tiles per block
 
     def weights(self, w: np.ndarray):
         """Host weights fp32 ``[N, K]`` -> device (packed codes, exponents) and the twin's codes."""
@@ -72,7 +74,7 @@ class Rowint:
 
     def matmul(self, px, sx, pw, sw, m, n, k, y):
         assert n % 16 == 0 and k % 32 == 0 and pw.shape == (n // 16, k // 32, 2, 512) and y.shape == (m, n)
-        self.mm((-(-m // 32), -(-n // (16 * self.rb))), (256,), (pw, sw, px, sx, y, np.int32(m), np.int32(n), np.int32(k)))
+        self.mm((-(-m // (8 * self.nt)), -(-n // (16 * self.rb))), (256,), (pw, sw, px, sx, y, np.int32(m), np.int32(n), np.int32(k)))
 
 
 def weights_like(rng, n: int, k: int) -> np.ndarray:
