@@ -90,24 +90,6 @@ def mq_record_bytes(qtype: str) -> int:
     return (256 if qtype in MQ_NIBBLES else 512) + MQ_SCALES
 
 
-def pack_rowint(xp, codes):
-    """Rowint weight codes (node/reference.py quantize_rowint, integer-valued ``[N, K]``,
-    N % 16 == 0, K % 32 == 0, |c| <= 2^13) as cuda/matmul.cu matmul_rowint reads them:
-    per 16-row tile and 32-element k-step, the low slice ``c & 127`` then the high
-    slice ``c >> 7``, each as the 512 bytes of the m16n8k32 A fragments in lane order
-    (lane 4 g + t holds rows g, g + 8 at elements 4 t .. 4 t + 3, then at 16 + 4 t ..).
-    A permutation of the slices' bytes; returns uint8 ``[N / 16, K / 32, 2, 512]``."""
-    n, k = codes.shape
-    if n % 16 or k % 32:
-        raise ValueError(f"pack_rowint: N % 16 and K % 32 must be 0, got {codes.shape}")
-    c = codes.astype(xp.int32)
-    out = []
-    for sl in (c & 127, c >> 7):
-        a = sl.astype(xp.int8).reshape(n // 16, 2, 8, k // 32, 2, 4, 4)  # rt, row half, g, kk, k half, t, byte
-        out.append(a.transpose(0, 3, 2, 5, 4, 1, 6).reshape(n // 16, k // 32, 512))
-    return xp.stack(out, axis=2).view(xp.uint8)
-
-
 def pack_q(xp, qtype: str, raw, b_off: int = 0, terms: int = 0):
     """matmul_q's layout of quantized rows: uint8 ``[ceil(N/16), nbs, R]``.
 

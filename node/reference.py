@@ -136,36 +136,6 @@ def matmul_f(x: np.ndarray, w: np.ndarray, g: int | None = None, lanes: int = WA
     return out
 
 
-W_CODE_BITS = 12   # rowint weight codes: |c| <= 2^13 (two int8 slices)
-X_CODE_BITS = 19   # rowint input codes: |c| <= 2^20 (three int8 slices)
-
-
-def quantize_rowint(a: np.ndarray, bits: int):
-    """Row-scaled integer codes (the rowint route, docs/benchmarks.md "The route past batch 32").
-
-    a fp32 ``[R, K]``, finite. Per row: ``E = floor(log2(max |a|))`` (0 for an
-    all-zero row), scale exponent ``s = E - bits``, codes ``c = rint(a * 2^-s)``
-    (round half to even; the scaling is exact in float64), so
-    ``|c| <= 2^(bits + 1)``. Returns ``(c float64 [R, K] integer-valued, s int32 [R])``.
-    """
-    amax = np.max(np.abs(a), axis=1)
-    s = np.where(amax > 0, np.frexp(amax)[1] - 1 - bits, 0).astype(np.int32)
-    return np.rint(np.ldexp(a.astype(np.float64), -s[:, None])), s
-
-
-def matmul_rowint(xr, wr) -> np.ndarray:
-    """Rowint product ``y[m, n] = fp32_rn(I[m, n] * 2^(sx[m] + sw[n]))`` with the exact
-    integer ``I = sum_k cx[m, k] * cw[n, k]``.
-
-    ``xr``, ``wr``: :func:`quantize_rowint` of x ``[M, K]`` (X_CODE_BITS) and W
-    ``[N, K]`` (W_CODE_BITS). Every partial sum is an integer below
-    ``K * 2^33 < 2^53``, so the float64 GEMM is exact in any order, and the one
-    rounding is the conversion to fp32. Returns fp32 ``[M, N]``.
-    """
-    (cx, sx), (cw, sw) = xr, wr
-    return np.ldexp(cx @ cw.T, sx[:, None] + sw[None, :]).astype(F32)
-
-
 def lane_width(k: int, esize: int) -> int:
     """Elements ``V`` per lane chunk for rows of ``K`` elements of ``esize`` bytes.
 

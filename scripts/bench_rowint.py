@@ -1,8 +1,8 @@
-"""The rowint route's kernels on the GPU: bit-exact against their numpy twins, and timed.
+"""The rowint probe on the GPU: bit-exact against its numpy twins, and timed.
 
-cuda/matmul.cu quantize_rowint and matmul_rowint (the rowint route weighed in
-docs/benchmarks.md "The route past batch 32") against node/reference.py
-quantize_rowint and matmul_rowint: for small and Llama-3.1-8B-shaped matrices
+scripts/rowint_probe.cu quantize_rowint and matmul_rowint (the rowint route
+weighed in docs/benchmarks.md "The route past batch 32") against
+scripts/rowint.py quantize_rowint and matmul_rowint: for small and Llama-3.1-8B-shaped matrices
 and token counts that do and do not fill a tile, the input codes (packed), the
 scale exponents and the output bytes must be equal. Then each product of the
 8B shape (Q/K/V fused, O, gate/up fused, down, LM head) is timed at batch 1, 8,
@@ -10,7 +10,7 @@ scale exponents and the output bytes must be equal. Then each product of the
 launches) beside torch's bf16 matmul (cuBLAS) of the same shape, and the
 products of a whole 32-layer step are summed. Exits 1 on any mismatch.
 
-    python3 scripts/bench_rowint.py [--reps 20] [--out rowint_gpu.json] [-D FLAG ...]
+    python3 scripts/bench_rowint.py [--reps 20] [--out rowint_gpu.json] [-D RI_RW=1 -D RI_NT=4 ...]
 """
 
 from __future__ import annotations
@@ -22,29 +22,17 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-from node import reference as ref  # noqa: E402
-from node.backend_cuda import ROOT, cubin_path, pack_rowint  # noqa: E402
+import rowint as ref  # noqa: E402
+from node.backend_cuda import ROOT, cubin_path  # noqa: E402
 
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
              "lm_head": (128256, 4096)}
-CHECKS = [((64, 96), (1, 3, 8)), ((6144, 4096), (1, 5, 8, 32, 33, 64)), ((4096, 14336), (1, 32, 64)),
+CHECKS = [((64, 96), (1, 3, 8)), ((48, 96), (1, 9, 17)), ((6144, 4096), (1, 5, 8, 32, 33, 64)), ((4096, 14336), (1, 32, 64)),
           ((28672, 4096), (7, 32))]
-
-
-def pack_x(codes: np.ndarray) -> np.ndarray:
-    """Input codes ``[M, K]`` as quantize_rowint writes them: per 8-token tile and
-    k-step, the slices ``c & 127``, ``(c >> 7) & 127``, ``c >> 14``, each the 256
-    bytes of the B fragments in lane order; tokens past M zero."""
-    m, k = codes.shape
-    mp = -(-m // 8) * 8
-    c = np.zeros((mp, k), np.int32)
-    c[:m] = codes
-    out = [(s.astype(np.int8).reshape(mp // 8, 8, k // 32, 2, 4, 4).transpose(0, 2, 1, 4, 3, 5)
-            .reshape(mp // 8, k // 32, 256)) for s in (c & 127, (c >> 7) & 127, c >> 14)]
-    return np.stack(out, axis=2).view(np.uint8)
 
 
 class Rowint:
@@ -52,16 +40,15 @@ class Rowint:
         import cupy as cp
 
         self.cp = cp
-        mod = cp.RawModule(path=cubin_path(os.path.join(ROOT, "cuda", "matmul.cu"), tuple(defines)))
+        mod = cp.RawModule(path=cubin_path(os.path.join(ROOT, "scripts", "rowint_probe.cu"), tuple(defines)))
         self.q, self.mm = mod.get_function("quantize_rowint"), mod.get_function("matmul_rowint")
         flag = {d.split("=")[0]: int(d.split("=")[1]) for d in defines if "=" in d}
-        self.rb = flag.get("-DRI_RB", 1) * flag.get("-DRI_RW", 1)   # row tiles per block
-        self.nt = flag.get("-DRI_NT", 4)                               # 8-token tiles per block
+        self.rw, self.nt = flag.get("-DRI_RW", 2), flag.get("-DRI_NT", 2)   # the probe's defaults
 
     def weights(self, w: np.ndarray):
         """Host weights fp32 ``[N, K]`` -> device (packed codes, exponents) and the twin's codes."""
         cw, sw = ref.quantize_rowint(w, ref.W_CODE_BITS)
-        return (self.cp.asarray(pack_rowint(np, cw)), self.cp.asarray(sw)), (cw, sw)
+        return (self.cp.asarray(ref.pack_w(np, cw)), self.cp.asarray(sw)), (cw, sw)
 
     def quantize(self, x):
         cp = self.cp
@@ -74,7 +61,8 @@ class Rowint:
 
     def matmul(self, px, sx, pw, sw, m, n, k, y):
         assert n % 16 == 0 and k % 32 == 0 and pw.shape == (n // 16, k // 32, 2, 512) and y.shape == (m, n)
-        self.mm((-(-m // (8 * self.nt)), -(-n // (16 * self.rb))), (256,), (pw, sw, px, sx, y, np.int32(m), np.int32(n), np.int32(k)))
+        self.mm((-(-m // (8 * self.nt)), -(-n // (16 * self.rw))), (256,),
+                (pw, sw, px, sx, y, np.int32(m), np.int32(n), np.int32(k)))
 
 
 def weights_like(rng, n: int, k: int) -> np.ndarray:
@@ -105,7 +93,7 @@ def check(ri: Rowint, rng) -> list:
             y = cp.empty((m, n), cp.float32)
             ri.matmul(px, sx, pw, sw, m, n, k, y)
             got = cp.asnumpy(y)
-            ok = {"codes": bool(np.array_equal(cp.asnumpy(px), pack_x(xr[0].astype(np.int32)))),
+            ok = {"codes": bool(np.array_equal(cp.asnumpy(px), ref.pack_x(xr[0]))),
                   "exponents": bool(np.array_equal(cp.asnumpy(sx), xr[1])),
                   "output": got.tobytes() == want.tobytes()}
             row = {"n": n, "k": k, "m": m, **ok, "sha256": hashlib.sha256(want.tobytes()).hexdigest()[:16],
@@ -134,7 +122,7 @@ def bench(ri: Rowint, rng, reps: int) -> dict:
     for name, (n, k) in SHAPES_8B.items():
         w16 = weights_like(np.random.default_rng(1), 16, k)   # timed, not checked: one 16-row tile repeated
         cw, sw = ref.quantize_rowint(w16, ref.W_CODE_BITS)
-        pw = pack_rowint(cp, cp.tile(cp.asarray(cw), (n // 16, 1)))
+        pw = ref.pack_w(cp, cp.tile(cp.asarray(cw), (n // 16, 1)))
         sw = cp.tile(cp.asarray(sw), n // 16)
         wt = torch.as_tensor(cp.tile(cp.asarray(w16), (n // 16, 1)), device="cuda").to(torch.bfloat16)
         res[name] = {}

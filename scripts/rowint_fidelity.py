@@ -14,7 +14,7 @@ run by the CPU engine with three float-product rules:
 * ``contract``: the node's rule (node/reference.py matmul_f, fp32 lane sums);
 * ``float64``: every product in float64, rounded once to fp32 (a near-exact
   reference for how far each rule is from the real value);
-* ``rowint``: the integer-code rule above.
+* ``rowint``: the integer-code rule above (scripts/rowint.py).
 
 For each prompt it reports the largest logit difference from ``float64`` at
 every prefill position and greedy step, and how many greedy tokens each rule
@@ -32,9 +32,11 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
+import rowint  # noqa: E402
 from node import reference  # noqa: E402
 from node.engine import Engine  # noqa: E402
 from node.gguf_model import default_model_path, dequantize_rows, load_model  # noqa: E402
@@ -46,16 +48,6 @@ PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Explain in two sentences why the sky is blue.",
 ]
-W_BITS, X_BITS = 12, 19   # |code| <= 2^13 (two int8 slices), <= 2^20 (three)
-
-
-def row_codes(a: np.ndarray, bits: int):
-    """Integer codes (float64, exact integers) and scale exponents of each row of fp32 ``a``."""
-    amax = np.max(np.abs(a), axis=1)
-    s = np.where(amax > 0, np.frexp(amax)[1] - 1 - bits, 0)
-    return np.rint(np.ldexp(a.astype(np.float64), -s[:, None])), s
-
-
 def bf16_copy(src: str, dst: str) -> str:
     """``src`` with every 2-D tensor dequantized and rounded to BF16 (round to nearest even)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
@@ -99,16 +91,13 @@ def main() -> int:
     def f64(x, w, g=None, lanes=reference.WARP):
         return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
 
-    def rowint(x, w, g=None, lanes=reference.WARP):
+    def rowint_rule(x, w, g=None, lanes=reference.WARP):
         key = (id(w), w.shape)
         if key not in wcodes:
-            wcodes[key] = (w, row_codes(w, W_BITS))
-        wc, sw = wcodes[key][1]
-        xc, sx = row_codes(x, X_BITS)
-        exact = xc @ wc.T   # integers below 2^53: exact in any order
-        return np.ldexp(exact, sx[:, None] + sw[None, :]).astype(np.float32)
+            wcodes[key] = (w, rowint.quantize_rowint(w, rowint.W_CODE_BITS))   # w kept: its id stays unique
+        return rowint.matmul_rowint(rowint.quantize_rowint(x, rowint.X_CODE_BITS), wcodes[key][1])
 
-    rules = {"contract": contract, "float64": f64, "rowint": rowint}
+    rules = {"contract": contract, "float64": f64, "rowint": rowint_rule}
     report = {"model": "SmolLM2-135M-Instruct, 2-D tensors as BF16", "tokens": args.tokens, "prompts": []}
     for prompt in PROMPTS:
         ids = tok.encode(tok.render_chat([{"role": "user", "content": prompt}]), special=True)
