@@ -143,7 +143,8 @@ def main() -> int:
     path = write_model(os.path.join(tempfile.mkdtemp(), "m.gguf"), args.shape, args.qtype, seed=1,
                        n_layer=args.layers)
     # step stamps: 5 per tile and layer, and 3; the prefill of 8 tokens per sequence is the longest step
-    opts = {"one_launch": True, "step_times": 5 * -(-8 * max(args.batch) // ST_TM) * args.layers + 3} if args.one_launch else {}
+    tiles = -(-8 * max(args.batch) // ST_TM)
+    opts = {"one_launch": True, "step_times": 5 * tiles * args.layers + 3} if args.one_launch else {}
     report = {"shape": args.shape, "qtype": args.qtype, "layers": args.layers, "variants": []}
     import cupy as cp
 
