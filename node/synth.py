@@ -125,3 +125,31 @@ def write_model(path: str, shape: str | tuple = "tiny", qtype: str = "Q8_0", see
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def copy_model(src: str, dst: str, metadata: dict | None = None, tensor=None) -> str:
+    """Write the GGUF ``src`` again to ``dst`` and return ``dst``: every metadata key
+    (``GGUF.*`` header fields aside) with its type, then ``metadata`` added as FLOAT32
+    values, and every tensor as it is, or as ``tensor(name, data, ggml_type)`` returns
+    it (``(data, ggml_type)``, or None for unchanged). For tests and studies that
+    vary a real model (a metadata key, the matrices' type)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, "llama")
+    w.kv_data[0].pop("general.architecture", None)   # copied with the other keys below
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF."):
+            vt = f.types[0]
+            w.add_key_value(key, f.contents(), vt, f.types[1] if vt == GGUFValueType.ARRAY else None)
+    for key, v in (metadata or {}).items():
+        w.add_key_value(key, v, GGUFValueType.FLOAT32)
+    for t in r.tensors:
+        data, qtype = np.array(t.data), t.tensor_type
+        data, qtype = (tensor and tensor(t.name, data, qtype)) or (data, qtype)
+        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -40,6 +40,7 @@ import rowint  # noqa: E402
 from node import reference  # noqa: E402
 from node.engine import Engine  # noqa: E402
 from node.gguf_model import default_model_path, dequantize_rows, load_model  # noqa: E402
+from node.synth import copy_model  # noqa: E402
 from node.tokenizer import Tokenizer  # noqa: E402
 
 PROMPTS = [
@@ -50,30 +51,18 @@ PROMPTS = [
 ]
 def bf16_copy(src: str, dst: str) -> str:
     """``src`` with every 2-D tensor dequantized and rounded to BF16 (round to nearest even)."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType
 
     model = load_model(src)
-    r = GGUFReader(src)
-    w = GGUFWriter(dst, "llama")
-    w.kv_data[0].pop("general.architecture", None)
-    for key, f in r.fields.items():
-        if not key.startswith("GGUF."):
-            vt = f.types[0]
-            w.add_key_value(key, f.contents(), vt, f.types[1] if vt == GGUFValueType.ARRAY else None)
-    for t in r.tensors:
-        mt = model.tensors[t.name]
-        if len(t.shape) == 2:
-            v = dequantize_rows(mt, np.arange(mt.rows)).astype(np.float32).view(np.uint32)
-            b = ((v + 0x7FFF + ((v >> 16) & 1)) >> 16).astype(np.uint16)
-            w.add_tensor(t.name, b, raw_shape=b.shape, raw_dtype=GGMLQuantizationType.BF16)
-        else:
-            data = np.array(t.data)
-            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+
+    def to_bf16(name, data, qtype):
+        if data.ndim != 2:
+            return None
+        t = model.tensors[name]
+        v = dequantize_rows(t, np.arange(t.rows)).astype(np.float32).view(np.uint32)
+        return ((v + 0x7FFF + ((v >> 16) & 1)) >> 16).astype(np.uint16), GGMLQuantizationType.BF16
+
+    return copy_model(src, dst, tensor=to_bf16)
 
 
 def main() -> int:

@@ -39,6 +39,7 @@ import pytest
 
 from node.engine import Engine
 from node.gguf_model import default_model_path, dequantize_rows, float_values, load_model
+from node.synth import copy_model
 from node.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -402,29 +403,6 @@ def test_first_step_logits_close_to_float64(model, fidelity, request):
     assert d <= F64_ABS_MAX and rel <= F64_REL_MAX
 
 
-def _copy_with_metadata(src: str, dst: str, extra: dict) -> str:
-    """The GGUF ``src`` written again to ``dst`` with the float32 metadata ``extra`` added."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-
-    r = GGUFReader(src)
-    w = GGUFWriter(dst, "llama")
-    w.kv_data[0].pop("general.architecture", None)   # copied with the other keys below
-    for key, f in r.fields.items():
-        if not key.startswith("GGUF."):
-            vt = f.types[0]
-            w.add_key_value(key, f.contents(), vt, f.types[1] if vt == GGUFValueType.ARRAY else None)
-    for key, v in extra.items():
-        w.add_key_value(key, v, GGUFValueType.FLOAT32)
-    for t in r.tensors:
-        data = np.array(t.data)
-        w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 @pytest.mark.parametrize("key", ["llama.rope.scaling.factor", "llama.rope.scale_linear"])
 def test_a_rope_scaling_factor_without_a_type_scales_as_in_llama_cpp(tmp_path, tok, key):
     """A GGUF with a RoPE scaling factor (or its older key) and no scaling type:
@@ -433,7 +411,7 @@ def test_a_rope_scaling_factor_without_a_type_scales_as_in_llama_cpp(tmp_path, t
     ignores the factor would be far off (so the check can tell them apart)."""
     import dataclasses
 
-    path = _copy_with_metadata(default_model_path(), str(tmp_path / "scaled.gguf"), {key: 4.0})
+    path = copy_model(default_model_path(), str(tmp_path / "scaled.gguf"), {key: 4.0})
     scaled = load_model(path)
     assert scaled.hparams.rope_freq_scale == 0.25
     ids = tok.encode(LONG_EN)[:120]
