@@ -12,7 +12,7 @@ import pytest
 from node.errors import ModelError
 from node.gguf_model import load_model
 from node.store import AttestationStore
-from node.synth import write_model
+from node.synth import copy_model, write_model
 
 
 def test_store_rolls_back_a_failed_put_and_keeps_working(tmp_path):
@@ -299,3 +299,30 @@ def test_a_quantized_norm_vector_is_refused_at_load(tmp_path, name):
     w.close()
     with pytest.raises(ModelError, match=f"tensor {name} has quant type Q8_0; a vector .* must be one of F32"):
         load_model(path)
+
+
+def test_copy_model_adds_metadata_and_replaces_only_the_tensors_it_is_given(tmp_path):
+    """synth.copy_model (a real model varied by tests and studies): every key and
+    tensor of the source, the added key, and a replaced tensor with its new type."""
+    from gguf import GGMLQuantizationType
+
+    src = write_model(str(tmp_path / "a.gguf"), "tiny", "Q8_0", seed=3)
+
+    def halve_norm(name, data, qtype):
+        if name != "output_norm.weight":
+            return None
+        return (data.astype(np.float32) / 2).astype(np.float16), GGMLQuantizationType.F16
+
+    dst = copy_model(src, str(tmp_path / "b.gguf"), {"llama.rope.scaling.factor": 2.0}, tensor=halve_norm)
+    a, b = load_model(src), load_model(dst)
+    assert b.hparams.rope_freq_scale == 0.5 and a.hparams.rope_freq_scale == 1.0
+    assert {k: v for k, v in b.metadata.items() if k != "llama.rope.scaling.factor"} == a.metadata
+    assert a.tensors.keys() == b.tensors.keys()
+    for name, t in a.tensors.items():
+        u = b.tensors[name]
+        if name == "output_norm.weight":
+            assert (u.qtype, t.qtype) == ("F16", "F32")
+            half = (t.raw.view("<f4") / 2).astype(np.float16)
+            assert np.array_equal(u.raw.view("<f2"), half)
+        else:
+            assert (u.qtype, u.raw.tobytes()) == (t.qtype, t.raw.tobytes()), name
