@@ -123,6 +123,31 @@ def _check_type(reader, key, want) -> None:
         raise ModelError(f"GGUF metadata key {key} is stored as {got}; llama.cpp reads it as {want.name} only")
 
 
+MAX_ARRAY_ITEMS = 1 << 20  # items of one GGUF metadata array (the largest vocabularies hold about 2^18)
+
+
+def _bounded_reader():
+    """``gguf.GGUFReader`` that refuses a metadata array longer than MAX_ARRAY_ITEMS
+    or than the bytes left in the file hold, before the reader walks it item by item
+    (about 660 bytes of memory per item: a forged length would take minutes and
+    gigabytes before the reader failed)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    class BoundedReader(GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == GGUFValueType.ARRAY:
+                itype = int(self._get(orig_offs, np.uint32)[0])
+                n = int(self._get(orig_offs + 4, np.uint64)[0])
+                known = {int(t): np.dtype(d).itemsize for t, d in self.gguf_scalar_to_np.items()}
+                least = known.get(itype, 12 if itype == GGUFValueType.ARRAY else 8)  # a string: its length
+                if n > MAX_ARRAY_ITEMS or n * least > len(self.data) - orig_offs - 12:
+                    raise ValueError(f"a metadata array claims {n} items, more than "
+                                     f"{'the file holds' if n <= MAX_ARRAY_ITEMS else MAX_ARRAY_ITEMS}")
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    return BoundedReader
+
+
 def load_model(path: str) -> Model:
     """Open a GGUF file of the ``llama`` architecture.
 
@@ -131,17 +156,18 @@ def load_model(path: str) -> Model:
     another GGUF type than llama.cpp reads (uint32 counts, float32 reals, a string
     ``general.name``) or out of range, the architecture or a tensor's quant type
     is unsupported (a
-    vector, such as a norm's weights, must be F32, F16 or BF16), a tensor has
+    vector, such as a norm's weights, must be F32, F16 or BF16), a metadata
+    array claims more than MAX_ARRAY_ITEMS items or more than the file holds, a tensor has
     an empty dimension or the wrong shape, or a required tensor is missing.
     """
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
 
     if not os.path.exists(path):
         raise ModelError(f"model file not found: {path}")
     if not os.path.isfile(path):
         raise ModelError(f"model path is not a regular file: {path}")
     try:
-        reader = GGUFReader(path, "r")
+        reader = _bounded_reader()(path, "r")
     except OSError as e:  # the file itself could not be opened or read (permissions, I/O)
         raise ModelError(f"cannot read GGUF file {path}: {e.strerror or e}") from None
     except Exception as e:  # gguf raises ValueError/IndexError/struct.error on bad contents

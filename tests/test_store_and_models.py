@@ -157,14 +157,14 @@ def test_truncated_gguf_is_one_model_error(tmp_path):
 def test_an_unreadable_gguf_is_not_called_corrupt(tmp_path, monkeypatch):
     """An OSError opening or reading the file (here EACCES, which root never gets
     from chmod) is named as such, not as a truncated or corrupt file."""
-    import gguf
+    from node import gguf_model
 
     path = write_model(str(tmp_path / "m.gguf"), "tiny", "Q8_0")
 
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    monkeypatch.setattr(gguf_model, "_bounded_reader", lambda: refuse)   # the reader's open fails
     with pytest.raises(ModelError, match=f"^cannot read GGUF file {re.escape(path)}: Permission denied$"):
         load_model(path)
 
@@ -274,29 +274,15 @@ def test_a_quantized_norm_vector_is_refused_at_load(tmp_path, name):
     refused by load_model, not at the first forward step, where a daemon that started
     with it (its health ok) would answer every request with a 500."""
     import gguf
-    import numpy as np
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    def quantized(tname, data, qtype):
+        if tname != name:
+            return None
+        block = np.concatenate([np.array([1.0], np.float16).view(np.uint8), np.ones(32, np.uint8)])
+        return np.tile(block, 2).reshape(1, 68), gguf.GGMLQuantizationType.Q8_0   # 64 values: scale 1, codes 1
 
     src = write_model(str(tmp_path / "m.gguf"), "tiny", "Q8_0")
-    path = str(tmp_path / "qnorm.gguf")
-    r = GGUFReader(src)
-    w = GGUFWriter(path, "llama")
-    w.kv_data[0].pop("general.architecture", None)
-    for key, f in r.fields.items():
-        if not key.startswith("GGUF."):
-            w.add_key_value(key, f.contents(), f.types[0], f.types[1] if f.types[0] == GGUFValueType.ARRAY else None)
-    for t in r.tensors:
-        data = np.array(t.data)
-        if t.name == name:   # 64 values as two Q8_0 blocks: scale 1.0, codes 1
-            block = np.concatenate([np.array([1.0], np.float16).view(np.uint8), np.ones(32, np.uint8)])
-            data = np.tile(block, 2).reshape(1, 68)
-            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = copy_model(src, str(tmp_path / "qnorm.gguf"), tensor=quantized)
     with pytest.raises(ModelError, match=f"tensor {name} has quant type Q8_0; a vector .* must be one of F32"):
         load_model(path)
 
@@ -326,3 +312,31 @@ def test_copy_model_adds_metadata_and_replaces_only_the_tensors_it_is_given(tmp_
             assert np.array_equal(u.raw.view("<f2"), half)
         else:
             assert (u.qtype, u.raw.tobytes()) == (t.qtype, t.raw.tobytes()), name
+
+
+@pytest.mark.parametrize("itype, count, cut, said", [
+    (5, 2 ** 60, False, "claims 1152921504606846976 items, more than 1048576"),   # int32 items
+    (0, 2 ** 20 + 1, False, "claims 1048577 items, more than 1048576"),           # uint8: within the file
+    (5, 49152, True, "claims 49152 items, more than the file holds"),             # the file cut short
+    (8, 49152, True, "claims 49152 items, more than the file holds"),             # strings: 8 bytes at least
+])
+def test_a_forged_metadata_array_length_is_refused_before_the_reader_walks_it(tmp_path, itype, count, cut, said):
+    """The gguf reader walks an array item by item (about 660 bytes of memory each):
+    a forged length in the default model's token_type array would cost minutes and
+    gigabytes before it failed. Refused at once with the array's claim."""
+    import struct
+
+    from node.gguf_model import default_model_path
+
+    b = bytearray(open(default_model_path(), "rb").read())
+    key = b"tokenizer.ggml.token_type"
+    i = b.find(key) + len(key)
+    assert struct.unpack_from("<IIQ", b, i) == (9, 5, 49152)   # ARRAY of INT32, the vocabulary's size
+    struct.pack_into("<IIQ", b, i, 9, itype, count)
+    if cut:
+        b = b[:i + 16 + 4096]
+    path = tmp_path / "forged.gguf"
+    path.write_bytes(b)
+    with pytest.raises(ModelError, match="truncated or corrupt") as e:
+        load_model(str(path))
+    assert said in str(e.value)
