@@ -133,13 +133,17 @@ def _bounded_reader():
     gigabytes before the reader failed)."""
     from gguf import GGUFReader, GGUFValueType
 
+    array = int(GGUFValueType.ARRAY)
+    sizes = {int(t): np.dtype(d).itemsize for t, d in GGUFReader.gguf_scalar_to_np.items()}
+
     class BoundedReader(GGUFReader):
         def _get_field_parts(self, orig_offs, raw_type):
-            if raw_type == GGUFValueType.ARRAY:
+            # int() first: numpy's comparison of its scalar with an enum can clear a pending
+            # KeyboardInterrupt (SIGINT/SIGTERM while a model loads would then be lost)
+            if int(raw_type) == array:
                 itype = int(self._get(orig_offs, np.uint32)[0])
                 n = int(self._get(orig_offs + 4, np.uint64)[0])
-                known = {int(t): np.dtype(d).itemsize for t, d in self.gguf_scalar_to_np.items()}
-                least = known.get(itype, 12 if itype == GGUFValueType.ARRAY else 8)  # a string: its length
+                least = sizes.get(itype, 12 if itype == array else 8)  # a string: its 8-byte length
                 if n > MAX_ARRAY_ITEMS or n * least > len(self.data) - orig_offs - 12:
                     raise ValueError(f"a metadata array claims {n} items, more than "
                                      f"{'the file holds' if n <= MAX_ARRAY_ITEMS else MAX_ARRAY_ITEMS}")
