@@ -17,7 +17,7 @@ import numpy as np
 
 from . import canonical
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSIONS = (1, 2)   # determinism-contract versions (docs/determinism.md; 2: section 14)
 
 
 def sha256(data: bytes) -> bytes:
@@ -28,9 +28,9 @@ def request_digest(request: dict) -> bytes:
     return sha256(canonical.encode(request))
 
 
-def chain_start(model_sha256: bytes, request: dict) -> bytes:
-    return sha256(b"bitexact/chain/v1\0" + struct.pack("<I", CONTRACT_VERSION)
-                  + model_sha256 + request_digest(request))
+def chain_start(model_sha256: bytes, request: dict, contract: int) -> bytes:
+    """The chain's first link for a request run under determinism-contract version ``contract``."""
+    return sha256(b"bitexact/chain/v1\0" + struct.pack("<I", contract) + model_sha256 + request_digest(request))
 
 
 def logits_digest(logits: np.ndarray) -> bytes:

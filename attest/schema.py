@@ -9,8 +9,9 @@ import re
 from node.errors import AttestationError
 from node.tp import TP_DEGREES
 
+from .digest import CONTRACT_VERSIONS
+
 FORMAT_VERSION = 1
-CONTRACT_VERSIONS = (1,)
 
 # The device map's fields per backend (node/provenance.py device_record, node/backend_cuda.py
 # CudaBackend.device_record); a cuda node running GPU ranks adds the degree, "tensor_parallel".

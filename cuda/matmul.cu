@@ -1,8 +1,10 @@
-// bitexact: matrix products (docs/determinism.md section 5).
-// Kernels: quantize_q8, matmul_q, lane_major, matmul_f. Launchers with shape
-// checks: node/backend_cuda.py (launch_quantize_q8, launch_matmul_q,
-// launch_lane_major, launch_matmul_f), in the same order. Twins:
-// node/reference.py quantize_q8, matmul_q, lane_major, matmul_f. matmul_q
+// bitexact: matrix products (docs/determinism.md sections 5 and 14).
+// Kernels: quantize_q8, matmul_q, lane_major, matmul_f, quantize_rowint,
+// matmul_rowint. Launchers with shape checks: node/backend_cuda.py
+// (launch_quantize_q8, launch_matmul_q, launch_lane_major, launch_matmul_f,
+// launch_quantize_rowint, launch_matmul_rowint), in the same order. Twins:
+// node/reference.py quantize_q8, matmul_q, lane_major, matmul_f,
+// quantize_rowint, matmul_rowint. matmul_q
 // takes a residual r0 for its first matrix (nullptr: none) and writes
 // y0 = r0 + product, the twin of reference.residual_add after the product.
 #include "common.cuh"
@@ -544,4 +546,149 @@ matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
     if (wtype == BX_F32) bx_matmul_f_t<BX_F32>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
     else if (wtype == BX_F16) bx_matmul_f_t<BX_F16>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
     else bx_matmul_f_t<BX_BF16>(V, W, xl, y, w * per, N, M, m0, K, lane, lanes, lane0);
+}
+
+// ---- contract 2 (docs/determinism.md section 14): float weights in exact integers ----
+// y[m, n] = fp32_rn(I * 2^(sx[m] + sw[n])) with the exact integer I = sum_k cx[m, k] cw[n, k].
+// Weight codes (|cw| <= 2^13) are two int8 slices, cw = 128 wh + wl (wl in 0..127);
+// input codes (|cx| <= 2^20) three, cx = 2^14 xh + 2^7 xm + xl. Slice products of one
+// weight 2^(7j) share an int32 accumulator (j = 0 .. 3), each below 2^31 for K < 2^16
+// (the launcher's check), so every MMA sum is exact and any split of K or of the tokens
+// gives the same I. Layouts (a permutation, node/backend_cuda.py pack_rowint_w and
+// pack_rowint_x): weights per 16-row tile rt, k-step kk (32 elements) and slice s as the
+// 512 bytes of the m16n8k32 A fragments in lane order (record (rt * KS + kk) * 2 + s);
+// inputs per 8-token tile tt, k-step kk and slice s as the 256 bytes of the B fragments
+// (record (tt * KS + kk) * 3 + s), tokens past M zero. A row with a value that is not
+// finite has exponent RI_NONFINITE and zero codes; its outputs are NaN (a fault).
+#define RI_WARPS 8       // warps per block; each takes a contiguous share of the k-steps
+#define RI_NT 2          // 8-token tiles per block (16 tokens per pass over the weights)
+#define RI_RW 2          // 16-row tiles per warp (each input fragment load serves both)
+#define RI_XBITS 19      // node/reference.py X_CODE_BITS
+#define RI_NONFINITE (1 << 30)  // node/reference.py ROWINT_NONFINITE
+extern "C" __constant__ int bx_ri_geometry[3] = {RI_NT * 8, RI_RW * 16, RI_NONFINITE};  // read by node/backend_cuda.py
+
+// D[16 x 8] (s32) += A[16 x 32] (s8, rows) * B[32 x 8] (s8, columns), one warp; exact.
+__device__ __forceinline__ void bx_mma_s8_acc(const unsigned int* a, unsigned int b0, unsigned int b1, int* d) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 weight bytes no other access of the launch reads: past L1 (as BxChunk).
+__device__ __forceinline__ uint4 bx_ld_stream(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// ---- quantize_rowint: one block of 256 threads per token (tokens past M write zero codes) ----
+extern "C" __global__ void __launch_bounds__(256) quantize_rowint(const float* __restrict__ x,
+                                                                  unsigned char* __restrict__ px, int* __restrict__ sx,
+                                                                  int M, int K) {
+    __shared__ float red[8];
+    int m = blockIdx.x, KS = K >> 5;
+    bx_pdl_wait();
+    const float inf = __int_as_float(0x7f800000);
+    float amax = 0.0f;  // max |x| (exact in any order); NaN counts as +inf
+    if (m < M)
+        for (int k = threadIdx.x; k < K; k += blockDim.x) {
+            float v = fabsf(x[(size_t)m * K + k]);
+            amax = fmaxf(amax, v != v ? inf : v);
+        }
+#pragma unroll
+    for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(BX_FULL, amax, off));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = red[0];
+    for (int i = 1; i < (int)(blockDim.x >> 5); ++i) amax = fmaxf(amax, red[i]);
+    bool bad = amax == inf;
+    int s = bad ? RI_NONFINITE : amax > 0.0f ? ilogbf(amax) - RI_XBITS : 0;
+    if (m < M && threadIdx.x == 0) sx[m] = s;
+    double f = __longlong_as_double((long long)(1023 - (bad ? 0 : s)) << 52);  // 2^-s, exact
+    int tt = m >> 3, gid = m & 7;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        int c = m < M && !bad ? __double2int_rn((double)x[(size_t)m * K + k] * f) : 0;
+        int kk = k >> 5, kr = k & 31, lane = gid * 4 + ((kr & 15) >> 2);
+        size_t o = (size_t)(tt * KS + kk) * 3 * 256 + lane * 8 + (kr >> 4) * 4 + (kr & 3);
+        px[o] = (unsigned char)(c & 127);
+        px[o + 256] = (unsigned char)((c >> 7) & 127);
+        px[o + 512] = (unsigned char)(c >> 14);
+    }
+}
+
+// ---- matmul_rowint: block (token pass, row group) computes RI_RW row tiles of 16 rows by
+// RI_NT * 8 tokens; warp w adds k-steps kk in [w KS / RI_WARPS, (w + 1) KS / RI_WARPS) of
+// every tile; the warps' int64 partials meet in shared memory (exact), then each output
+// is scaled once. Tiles past the matrix read its last tile (their outputs are not stored).
+extern "C" __global__ void __launch_bounds__(32 * RI_WARPS) matmul_rowint(
+    const uint4* __restrict__ pw, const int* __restrict__ sw, const uint2* __restrict__ px,
+    const int* __restrict__ sx, float* __restrict__ y, int M, int N, int K) {
+    __shared__ long long part[RI_WARPS][16][RI_NT * 8];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, KS = K >> 5, rt0 = blockIdx.y * RI_RW;
+    int tt0 = blockIdx.x * RI_NT, nt = min(RI_NT, ((M + 7) >> 3) - tt0), NT = (N + 15) >> 4;
+    int k0 = w * KS / RI_WARPS, k1 = (w + 1) * KS / RI_WARPS;
+    const uint4* wp[RI_RW];
+#pragma unroll
+    for (int r = 0; r < RI_RW; ++r) wp[r] = pw + (size_t)min(rt0 + r, NT - 1) * KS * 2 * 32 + lane;
+    if (k0 < k1) bx_prefetch_l2(wp[0] + (size_t)k0 * 64);  // while the previous kernel finishes
+    bx_pdl_wait();
+    int acc[RI_RW][RI_NT][4][4];
+#pragma unroll
+    for (int r = 0; r < RI_RW; ++r)
+#pragma unroll
+        for (int t = 0; t < RI_NT; ++t)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[r][t][j][i] = 0;
+#pragma unroll 4
+    for (int kk = k0; kk < k1; ++kk) {
+        unsigned int al[RI_RW][4], ah[RI_RW][4];
+#pragma unroll
+        for (int r = 0; r < RI_RW; ++r) {
+            uint4 wl = bx_ld_stream(wp[r] + (size_t)kk * 64), wh = bx_ld_stream(wp[r] + (size_t)kk * 64 + 32);
+            al[r][0] = wl.x, al[r][1] = wl.y, al[r][2] = wl.z, al[r][3] = wl.w;
+            ah[r][0] = wh.x, ah[r][1] = wh.y, ah[r][2] = wh.z, ah[r][3] = wh.w;
+        }
+#pragma unroll
+        for (int t = 0; t < RI_NT; ++t) {
+            if (t >= nt) break;
+            const uint2* xp = px + ((size_t)((tt0 + t) * KS + kk) * 3) * 32 + lane;
+            uint2 xl = __ldg(xp), xm = __ldg(xp + 32), xh = __ldg(xp + 64);
+#pragma unroll
+            for (int r = 0; r < RI_RW; ++r) {
+                bx_mma_s8_acc(al[r], xl.x, xl.y, acc[r][t][0]);  // 2^0
+                bx_mma_s8_acc(al[r], xm.x, xm.y, acc[r][t][1]);  // 2^7
+                bx_mma_s8_acc(ah[r], xl.x, xl.y, acc[r][t][1]);
+                bx_mma_s8_acc(al[r], xh.x, xh.y, acc[r][t][2]);  // 2^14
+                bx_mma_s8_acc(ah[r], xm.x, xm.y, acc[r][t][2]);
+                bx_mma_s8_acc(ah[r], xh.x, xh.y, acc[r][t][3]);  // 2^21
+            }
+        }
+    }
+    int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int r = 0; r < RI_RW; ++r) {  // the warps' partials of row tile r meet in shared memory
+        if (r) __syncthreads();
+#pragma unroll
+        for (int t = 0; t < RI_NT; ++t)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                part[w][gid + 8 * (i >> 1)][8 * t + 2 * tig + (i & 1)] =
+                    (long long)acc[r][t][0][i] + ((long long)acc[r][t][1][i] << 7) +
+                    ((long long)acc[r][t][2][i] << 14) + ((long long)acc[r][t][3][i] << 21);
+        __syncthreads();
+        for (int o = threadIdx.x; o < 16 * RI_NT * 8; o += blockDim.x) {
+            int rr = o / (RI_NT * 8), c = o % (RI_NT * 8), m = tt0 * 8 + c, n = (rt0 + r) * 16 + rr;
+            if (m >= M || n >= N) continue;
+            long long I = 0;
+#pragma unroll
+            for (int v = 0; v < RI_WARPS; ++v) I += part[v][rr][c];
+            int a = sx[m], b = sw[n];  // finite rows: |a + b| < 400, so 2^(a + b) is a normal double
+            y[(size_t)m * N + n] = a == RI_NONFINITE || b == RI_NONFINITE
+                ? __int_as_float(0x7fffffff)
+                : __double2float_rn((double)I * __longlong_as_double((long long)(1023 + a + b) << 52));
+        }
+    }
 }

@@ -43,23 +43,32 @@ def weight_cache_bytes() -> int:
         return 1 << 62
 
 
-def decoded_bytes(t: Tensor) -> int:
+def decoded_bytes(t: Tensor, contract: int = 1) -> int:
     """Bytes of matrix ``t`` decoded for the reference products: fp32 values or
-    codes (4 per weight), plus a quantized type's fp32 scale and offset per block."""
-    return 4 * t.rows * t.cols + (0 if t.qtype in FLOAT_TYPES else 8 * t.rows * (t.cols // ref.QK))
+    codes (4 per weight), plus a quantized type's fp32 scale and offset per block;
+    under contract 2 a float matrix's int16 codes and int32 exponent per row."""
+    if t.qtype in FLOAT_TYPES:
+        return (2 * t.cols + 4) * t.rows if contract == 2 else 4 * t.rows * t.cols
+    return 4 * t.rows * t.cols + 8 * t.rows * (t.cols // ref.QK)
 
 
-def decode_rows(t: Tensor, a: int, b: int, k0: int = 0, k1: int | None = None):
+def decode_rows(t: Tensor, a: int, b: int, k0: int = 0, k1: int | None = None, contract: int = 1):
     """Rows ``[a, b)`` of matrix ``t``, and of them the K range ``[k0, k1)``
     (elements, whole 32-element blocks for a quantized type; default all of K),
-    as the reference products take them: fp32 ``[b - a, k1 - k0]`` (float types)
+    as the reference products take them: fp32 ``[b - a, k1 - k0]`` (float types;
+    under ``contract`` 2 the whole rows' :class:`node.reference.RowintWeight`)
     or a :class:`node.reference.RefQuantWeight`. Only the bytes of that range
     are decoded (for a K-quant, the super-blocks holding it), with the values
-    decoding the whole matrix gives: each block decodes alone."""
+    decoding the whole matrix gives: each block (each row, for contract 2)
+    decodes alone."""
     k1 = t.cols if k1 is None else k1
     if t.qtype in FLOAT_TYPES:
         es = t.raw.shape[1] // t.cols   # bytes per element
-        return float_values(Tensor(t.name, t.qtype, b - a, k1 - k0, t.raw[a:b, k0 * es:k1 * es]))
+        w = float_values(Tensor(t.name, t.qtype, b - a, k1 - k0, t.raw[a:b, k0 * es:k1 * es]))
+        if contract == 2:
+            codes, s = ref.quantize_rowint(w, ref.W_CODE_BITS)
+            return ref.RowintWeight(codes.astype(np.int16), s)
+        return w
     bb, be = BLOCK_BYTES[t.qtype]       # bytes and elements of one encoding block
     s0, s1 = k0 // be, -(-k1 // be)
     w = ref.RefQuantWeight(*decode_blocks(t.qtype, t.raw[a:b, s0 * bb:s1 * bb]))
@@ -72,11 +81,13 @@ class CpuBackend:
     name = "cpu"
     xp = np
 
-    def __init__(self, model: Model, weight_cache: int | None = None):
+    def __init__(self, model: Model, weight_cache: int | None = None, contract: int = 1):
         """``weight_cache``: bytes of decoded weights to keep (default
         :func:`weight_cache_bytes`); matrices are kept in the order of first use
-        while they fit."""
+        while they fit. ``contract``: the determinism contract's version (1, or
+        2: float-weight products in integers, docs/determinism.md section 14)."""
         self.model = model
+        self.contract = contract
         self.hp = model.hparams
         self._weights: dict[str, object] = {}
         self._cache_left = weight_cache_bytes() if weight_cache is None else weight_cache
@@ -94,10 +105,10 @@ class CpuBackend:
         w = self._weights.get(name)
         if w is None:
             t = self.model.tensors[name]
-            if decoded_bytes(t) > self._cache_left:
+            if decoded_bytes(t, self.contract) > self._cache_left:
                 return None
-            w = self._weights[name] = decode_rows(t, 0, t.rows)
-            self._cache_left -= decoded_bytes(t)
+            w = self._weights[name] = decode_rows(t, 0, t.rows, contract=self.contract)
+            self._cache_left -= decoded_bytes(t, self.contract)
         return w
 
     def _weight(self, name: str):
@@ -105,7 +116,7 @@ class CpuBackend:
         w = self._cached(name)
         if w is None:
             t = self.model.tensors[name]
-            w = decode_rows(t, 0, t.rows)
+            w = decode_rows(t, 0, t.rows, contract=self.contract)
         return w
 
     def vector(self, name: str) -> np.ndarray:
@@ -127,11 +138,15 @@ class CpuBackend:
         """``[x @ W.T for W in names]``: x fp32 ``[M, K]``, each result fp32 ``[M, N_i]``.
 
         x is quantized once (``quantize_q8``) and shared by every quantized
-        weight in ``names`` (docs/determinism.md section 5).
+        weight in ``names`` (docs/determinism.md section 5); under contract 2
+        once more (``quantize_rowint``) for every float weight (section 14).
         """
-        xq, out = None, []
+        xq, xr, out = None, None, []
         for name in names:
-            if self.model.tensors[name].qtype in FLOAT_TYPES:
+            if self.model.tensors[name].qtype in FLOAT_TYPES and self.contract == 2:
+                xr = ref.quantize_rowint(x, ref.X_CODE_BITS) if xr is None else xr
+                out.append(self._product(ref.matmul_rowint, xr, len(x), name))
+            elif self.model.tensors[name].qtype in FLOAT_TYPES:
                 out.append(self._product(ref.matmul_f, x, len(x), name))
             else:
                 xq = ref.quantize_q8(x) if xq is None else xq
@@ -145,10 +160,10 @@ class CpuBackend:
         if w is not None:
             return matmul(x, w)
         t = self.model.tensors[name]
-        step = max(1, CHUNK_BYTES // (decoded_bytes(t) // t.rows))
+        step = max(1, CHUNK_BYTES // (decoded_bytes(t, self.contract) // t.rows))
         out = np.empty((m, t.rows), F32)
         for a in range(0, t.rows, step):
-            out[:, a:a + step] = matmul(x, decode_rows(t, a, min(t.rows, a + step)))
+            out[:, a:a + step] = matmul(x, decode_rows(t, a, min(t.rows, a + step), contract=self.contract))
         return out
 
     def silu_gate(self, g, u, feeds=()):

@@ -21,9 +21,10 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import BitexactError, NumericFault
-from .gguf_model import BLOCK_BYTES, FLOAT_TYPES, Model, block_fields, float_values
+from .gguf_model import BLOCK_BYTES, FLOAT_TYPES, Model, Tensor, block_fields, float_values
 from .kernels import COMPILE_OPTIONS
-from .reference import SPLIT_KV, WARP, lane_major, lane_terms, lane_width
+from .reference import (MAX_ROWINT_K, ROWINT_NONFINITE, SPLIT_KV, W_CODE_BITS, WARP, lane_major, lane_terms,
+                        lane_width, quantize_rowint)
 
 QTYPE_IDS = {"F32": 0, "F16": 1, "BF16": 2, "Q8_0": 3, "Q4_0": 4, "Q4_1": 5, "Q4_K": 6, "Q6_K": 7}
 DEFAULT_PIN = "NVIDIA H200"
@@ -153,6 +154,38 @@ def pack_q(xp, qtype: str, raw, b_off: int = 0, terms: int = 0):
     return out
 
 
+def pack_rowint_w(xp, codes):
+    """matmul_rowint's layout of weight codes (integer ``[N, K]``, ``|c| <= 2^13``,
+    K % 32 == 0; numpy or CuPy as ``xp``): per 16-row tile (rows past N zero) and
+    32-element k-step, the low slice ``c & 127`` then the high slice ``c >> 7``
+    (``c = 128 * high + low``), each the 512 bytes of the mma.sync m16n8k32 A
+    fragments in lane order (lane ``4 g + t``: rows ``g`` and ``g + 8`` at elements
+    ``4 t .. 4 t + 3``, then ``16 + 4 t ..``). Only bytes move (integer ops).
+    Returns uint8 ``[ceil(N/16), K/32, 2, 512]``."""
+    n, k = codes.shape
+    t = -(-n // 16)
+    c = xp.zeros((t * 16, k), xp.int32)
+    c[:n] = codes
+    out = [sl.astype(xp.int8).reshape(t, 2, 8, k // 32, 2, 4, 4)   # tile, row half, g, kk, k half, t, byte
+           .transpose(0, 3, 2, 5, 4, 1, 6).reshape(t, k // 32, 512) for sl in (c & 127, c >> 7)]
+    return xp.stack(out, axis=2).view(xp.uint8)
+
+
+def pack_rowint_x(codes: np.ndarray) -> np.ndarray:
+    """The layout quantize_rowint writes input codes in (integer ``[M, K]``, ``|c| <= 2^20``):
+    per 8-token tile and k-step, the slices ``c & 127``, ``(c >> 7) & 127``, ``c >> 14``,
+    each the 256 bytes of the m16n8k32 B fragments in lane order (lane ``4 g + t``:
+    token ``g`` at elements ``4 t .. 4 t + 3``, then ``16 + 4 t ..``); tokens past M
+    zero. Returns uint8 ``[ceil(M/8), K/32, 3, 256]`` (what the GPU tests compare)."""
+    m, k = codes.shape
+    mp = -(-m // 8) * 8
+    c = np.zeros((mp, k), np.int32)
+    c[:m] = codes
+    out = [s.astype(np.int8).reshape(mp // 8, 8, k // 32, 2, 4, 4).transpose(0, 2, 1, 4, 3, 5)
+           .reshape(mp // 8, k // 32, 256) for s in (c & 127, (c >> 7) & 127, c >> 14)]
+    return np.stack(out, axis=2).view(np.uint8)
+
+
 def module_ints(mod, name: str, n: int = 1) -> list[int]:
     """An ``extern "C" __constant__ int[n]`` of a loaded kernel module (e.g. cuda/matmul.cu bx_mq_tokens)."""
     import cupy
@@ -197,7 +230,8 @@ class Mat(NamedTuple):
     A column-parallel shard is some rows with the full K (``lanes = 32``); a
     row-parallel shard holds contract lanes ``lane0 .. lane0 + lanes - 1`` of
     K (docs/determinism.md section 12): for quantized weights its ``terms``
-    blocks of each row (0: all).
+    blocks of each row (0: all). Under contract 2 a float matrix is
+    :func:`pack_rowint_w` codes with its rows' scale exponents ``s`` (int32 ``[N]``).
     """
     data: object
     rows: int
@@ -206,6 +240,7 @@ class Mat(NamedTuple):
     lanes: int = WARP
     lane0: int = 0
     terms: int = 0
+    s: object = None
 
 
 class GpuError(BitexactError):
@@ -402,7 +437,9 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, model: Model, pin: str | None = DEFAULT_PIN, kv_pages: int | None = None,
-                 graphs: bool = True, n_ctx: int = 8192, one_launch: bool = False, step_times: int = 0):
+                 graphs: bool = True, n_ctx: int = 8192, one_launch: bool = False, step_times: int = 0,
+                 contract: int = 1):
+        self.contract = contract   # 2: float-weight products in integers (docs/determinism.md section 14)
         cp = self.xp = _cupy()
         self.cp = cp
         self.stream = cp.cuda.Stream(non_blocking=True)   # graphs cannot capture the legacy stream
@@ -418,7 +455,8 @@ class CudaBackend:
         try:
             mods = load_modules(cp)
             self.k = {n: PdlKernel(mods[f].get_function(n), n) for f, names in (
-                ("matmul.cu", ("quantize_q8", "matmul_q", "lane_major", "matmul_f")), ("norm.cu", ("rms_norm",)),
+                ("matmul.cu", ("quantize_q8", "matmul_q", "lane_major", "matmul_f", "quantize_rowint",
+                               "matmul_rowint")), ("norm.cu", ("rms_norm",)),
                 ("rope.cu", ("rope",)), ("attention.cu", ("attention_split", "attention_combine")),
                 ("activation.cu", ("silu_gate",)), ("residual.cu", ("residual_add",)), ("embed.cu", ("embed",)),
                 ("sampler.cu", ("argmax", "sample_keys", "sample_sorted")), ("tp.cu", ("tp_combine",))) for n in names}
@@ -431,6 +469,9 @@ class CudaBackend:
             (self.rn_threads,) = module_ints(mods["norm.cu"], "bx_rn_threads")
             self.mq_warp_smem = module_ints(mods["matmul.cu"], "bx_mq_warp_smem", len(QTYPE_IDS))
             (self.mq_lane_smem,) = module_ints(mods["matmul.cu"], "bx_mq_lane_smem")
+            self.ri_tokens, self.ri_rows, nonfinite = module_ints(mods["matmul.cu"], "bx_ri_geometry", 3)
+            if nonfinite != ROWINT_NONFINITE:
+                raise GpuError(f"cuda/matmul.cu RI_NONFINITE is {nonfinite}, node/reference.py {ROWINT_NONFINITE}")
             # Float matrices are kept lane-major for matmul_f (token_embd stays
             # row-major for embed, plus a matrix of its own when it is the LM head).
             self._weights, self._mats = {}, {}
@@ -444,6 +485,8 @@ class CudaBackend:
                         continue
                 if t.qtype in FLOAT_TYPES and t.cols % 32:
                     raise GpuError(f"{name}: the CUDA engine needs float matrices with K % 32 == 0, got K={t.cols}")
+                if t.qtype in FLOAT_TYPES and contract == 2 and t.cols >= MAX_ROWINT_K:
+                    raise GpuError(f"{name}: contract 2 needs K < {MAX_ROWINT_K}, got K={t.cols}")
                 self._mats[name] = self._mat(name, t)
             hp = self.hp
             self.kv_heads = self._kv_heads()
@@ -519,12 +562,27 @@ class CudaBackend:
         """:class:`Mat` of ``raw`` (``rows`` rows of tensor ``t``'s bytes, or a K shard of
         them whose ``terms`` blocks start ``b_off`` blocks into its first super-block)."""
         raw = np.ascontiguousarray(raw)
+        if t.qtype in FLOAT_TYPES and self.contract == 2:   # the whole matrix (contract 2 has no shards)
+            return self._upload_rowint(t)
         if t.qtype in FLOAT_TYPES:
             elem = raw.view(np.uint32 if ESIZE[t.qtype] == 4 else np.uint16)
             return Mat(self.cp.asarray(lane_major(elem, lane_width(t.cols, ESIZE[t.qtype]), lanes)), rows,
                        t.qtype, t.cols, lanes, lane0, terms)
         return Mat(pack_q(self.cp, t.qtype, self.cp.asarray(raw), b_off, terms), rows, t.qtype, t.cols, lanes,
                    lane0, terms)
+
+    def _upload_rowint(self, t) -> Mat:
+        """:class:`Mat` of float matrix ``t`` under contract 2: its rows quantized on the host
+        (reference.quantize_rowint, numpy keeps subnormals), :data:`PACK_ROWS` rows at a
+        time, then packed on the GPU (:func:`pack_rowint_w`, integer ops only)."""
+        cp = self.cp
+        data = cp.empty((-(-t.rows // 16), t.cols // 32, 2, 512), cp.uint8)
+        s = np.empty(t.rows, np.int32)
+        for r0 in range(0, t.rows, PACK_ROWS):
+            rows = Tensor(t.name, t.qtype, min(PACK_ROWS, t.rows - r0), t.cols, t.raw[r0:r0 + PACK_ROWS])
+            codes, s[r0:r0 + rows.rows] = quantize_rowint(float_values(rows), W_CODE_BITS)
+            data[r0 // 16:r0 // 16 + PACK_ROWS // 16] = pack_rowint_w(cp, cp.asarray(codes.astype(np.int16)))
+        return Mat(data, t.rows, t.qtype, t.cols, s=cp.asarray(s))
 
     # ---- host/device -------------------------------------------------------
     def to_host(self, x) -> np.ndarray:
@@ -667,6 +725,33 @@ class CudaBackend:
                             np.int32(lane_width(k, ESIZE[w0.qtype])), xl, np.int32(m), np.int32(k),
                             np.int32(w0.lanes), np.int32(w0.lane0)))
         return ys
+
+    def launch_quantize_rowint(self, x):
+        """Contract 2 input codes of fp32 x [M, K] (K % 32 == 0): (:func:`pack_rowint_x` codes
+        uint8 [ceil(M/8), K/32, 3, 256], exponents int32 [M])."""
+        cp = self.cp
+        m, k = x.shape
+        _check(x.dtype == cp.float32 and x.flags.c_contiguous and k % 32 == 0 and 0 < k < MAX_ROWINT_K,
+               f"quantize_rowint x fp32 [M, K%32==0, K<{MAX_ROWINT_K}]")
+        mp = -(-m // 8) * 8
+        px, sx = cp.empty((mp // 8, k // 32, 3, 256), cp.uint8), cp.empty(m, cp.int32)
+        self.k["quantize_rowint"]((mp,), (256,), (x, px, sx, np.int32(m), np.int32(k)))
+        return px, sx
+
+    def launch_matmul_rowint(self, xr, name):
+        """Contract 2 product of :meth:`launch_quantize_rowint`'s ``xr`` with float matrix
+        ``name`` (a :func:`pack_rowint_w` :class:`Mat`); fp32 [M, N]."""
+        cp = self.cp
+        px, sx = xr
+        w = self._mats[name]
+        m, ks = sx.shape[0], px.shape[1]
+        _check(w.s is not None and w.k == 32 * ks and px.shape == (-(-m // 8), ks, 3, 256)
+               and w.data.shape == (-(-w.rows // 16), ks, 2, 512) and w.s.shape == (w.rows,),
+               f"matmul_rowint {name}: packed codes of one K")
+        y = cp.empty((m, w.rows), cp.float32)
+        self.k["matmul_rowint"]((-(-m // self.ri_tokens), -(-w.rows // self.ri_rows)), (256,),
+                                (w.data, w.s, px, sx, y, np.int32(m), np.int32(w.rows), np.int32(w.k)))
+        return y
 
     def _check_width(self, k, v, what):
         _check(v == 0 or (v == Q8_OUT and k % 32 == 0) or (v in (1, 2, 4, 8) and k % 32 == 0 and (k // 32) % v == 0),
@@ -896,8 +981,9 @@ class CudaBackend:
 
     def _feed_width(self, feeds) -> int:
         """Chunk width :func:`x_width` (K) when every weight in ``feeds`` is a float
-        matrix (their input can be written lane-major), else 0."""
-        if not feeds or any(self.model.tensors[n].qtype not in FLOAT_TYPES for n in feeds):
+        matrix (their input can be written lane-major), else 0 (also under contract 2,
+        whose products read row-major inputs)."""
+        if not feeds or self.contract == 2 or any(self.model.tensors[n].qtype not in FLOAT_TYPES for n in feeds):
             return 0
         return x_width(self.model.tensors[feeds[0]].cols)
 
@@ -954,10 +1040,14 @@ class CudaBackend:
         for i, name in enumerate(names):
             qt = self.model.tensors[name].qtype
             groups.setdefault(qt if qt in FLOAT_TYPES else "q", []).append(i)
-        out, xl = [None] * len(names), None
+        out, xl, xr = [None] * len(names), None, None
         for key, idx in groups.items():
             if key == "q":   # x is row-major: a lane-major x feeds float weights only
                 ys = self.launch_matmul_q(self.launch_quantize_q8(x), [names[i] for i in idx], residual)
+            elif self.contract == 2:   # one quantize_rowint for every float type
+                xr = self.launch_quantize_rowint(x) if xr is None else xr
+                ys = [self.launch_matmul_rowint(xr, names[i]) for i in idx]
+                ys = ys if residual is None else [self.launch_residual_add(residual, ys[0])]
             else:            # one lane-major x for every float type
                 if xl is None:
                     xl = x.data if isinstance(x, LaneMajor) else self.launch_lane_major(x, x_width(x.shape[1]))

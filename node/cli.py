@@ -111,11 +111,14 @@ def _float(name):
 
 
 def open_engine(args):
-    """Model, tokenizer and engine from ``--model``, ``--ctx``, ``--device`` and ``--pin``."""
+    """Model, tokenizer and engine from ``--model``, ``--ctx``, ``--device``, ``--pin``,
+    ``--one-launch``, ``--contract`` and (serve) ``--tp``."""
     from .engine import Engine
     from .gguf_model import default_model_path, load_model
     from .tokenizer import Tokenizer
 
+    if getattr(args, "tp", 1) != 1 and args.contract != 1:
+        raise RequestError("--contract 2 runs in one process (tensor parallelism runs contract 1)")
     model = load_model(default_model_path() if args.model is None else args.model)
     if args.ctx is not None and not 0 < args.ctx <= model.hparams.n_ctx_train:
         raise RequestError(f"--ctx must be between 1 and the model's context length "
@@ -127,7 +130,7 @@ def open_engine(args):
     if tp != 1:
         from .tp_runtime import TpEngine
         return model, tok, TpEngine(model, tp, n_ctx=args.ctx, device=device, **opts)
-    return model, tok, Engine(model, device=device, n_ctx=args.ctx, **opts)
+    return model, tok, Engine(model, device=device, n_ctx=args.ctx, contract=args.contract, **opts)
 
 
 def cmd_serve(args) -> int:
@@ -318,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     one_launch = ("run each step of an F16 or BF16 model in one launch (cuda/step.cu; the same bytes; "
                   "docs/benchmarks.md has where it is faster); ignored on cpu and for other models")
     device = "cuda where CuPy sees a GPU, else cpu (auto), or either (default: %(default)s)"
+    contract = ("determinism-contract version: 1, or 2 (F32/F16/BF16 products in exact integers, "
+                "docs/determinism.md section 14; not with --tp or --one-launch) (default: %(default)s)")
 
     k = sub.add_parser("keygen", help="create an Ed25519 signing key")
     k.add_argument("--out", required=True, metavar="KEY.pem",
@@ -346,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=device)
     r.add_argument("--pin", default="NVIDIA H200", metavar="GPU", help=pin)
     r.add_argument("--one-launch", action="store_true", help=one_launch)
+    r.add_argument("--contract", type=int, choices=(1, 2), default=1, help=contract)
     r.add_argument("--attestation", metavar="OUT",
                    help="write the signed attestation here (default: <output digest>.bxa)")
     r.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -367,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=device)
     s.add_argument("--pin", default="NVIDIA H200", metavar="GPU", help=pin)
     s.add_argument("--one-launch", action="store_true", help=one_launch)
+    s.add_argument("--contract", type=int, choices=(1, 2), default=1, help=contract)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=8420, help="TCP port (default: %(default)s)")
     s.add_argument("--data-dir", default="bitexact-data", metavar="DIR",

@@ -28,7 +28,6 @@ from werkzeug.datastructures import MIMEAccept
 from werkzeug.http import parse_accept_header
 
 from attest import canonical, keys
-from attest.digest import CONTRACT_VERSION
 from attest.envelope import open_envelope, seal
 
 from . import __version__
@@ -254,7 +253,7 @@ class Node:
                 "backend": self.engine.device, "device": device_record(self.engine),
                 "model": {"id": self.model_id, "sha256": m.sha256, "architecture": m.arch,
                           "quant_types": m.quant_types, "n_ctx": self.engine.n_ctx},
-                "contract_version": CONTRACT_VERSION, "engine_version": __version__}
+                "contract_version": self.engine.contract, "engine_version": __version__}
 
     # ---- request parsing -------------------------------------------------
     def parse(self, body, chat: bool) -> dict:

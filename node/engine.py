@@ -15,11 +15,21 @@ from typing import Sequence
 
 import numpy as np
 
+from attest.digest import CONTRACT_VERSIONS
+
 from .errors import NumericFault, RequestError
 from .gguf_model import Model
 from .rope_table import rope_table
 from .sampler import sample_rows
 from .tp import check_degree
+
+
+def check_contract(contract) -> int:
+    """Return ``contract`` if it is a version of ``attest.digest.CONTRACT_VERSIONS`` (an
+    ``int``); raise :class:`RequestError` otherwise."""
+    if type(contract) is not int or contract not in CONTRACT_VERSIONS:
+        raise RequestError(f"determinism-contract version must be one of {CONTRACT_VERSIONS}, got {contract!r}")
+    return contract
 
 
 def default_n_ctx(hp) -> int:
@@ -37,23 +47,30 @@ class Engine:
     those of ``tp = 1``. ``backend`` is an already built backend for ``device``
     (a tensor-parallel rank's: :class:`node.tp_runtime.RankBackend` or
     :class:`node.tp_gpu.CudaRankBackend`).
+    ``contract`` is the determinism contract's version (docs/determinism.md): 1, or
+    2 (products of float weights in integers, section 14; one process, per-op kernels).
     ``cuda_opts`` (``pin``, ``kv_pages``, ``graphs``, ``one_launch``: each step of an
     F16/BF16 model in one launch, cuda/step.cu, the same bytes) go to
     :class:`~node.backend_cuda.CudaBackend`. Raises :class:`RequestError` for an
-    unknown device or ``tp > 1`` on cuda, :class:`ModelError` for a ``tp`` that
+    unknown device or contract, ``tp > 1`` on cuda, or contract 2 with ``tp > 1``, a
+    rank's backend or ``one_launch``; :class:`ModelError` for a ``tp`` that
     is not 1, 2, 4 or 8 or that the model's heads cannot be split by.
     """
 
     broken = None  # one process: a fault fails its step only (node.tp_runtime.TpEngine can break)
 
     def __init__(self, model: Model, device: str = "cpu", n_ctx: int | None = None, tp: int = 1, backend=None,
-                 **cuda_opts):
+                 contract: int = 1, **cuda_opts):
         self.model = model
         self.hp = hp = model.hparams
         if n_ctx is not None and not (type(n_ctx) is int and 1 <= n_ctx <= 1 << 20):
             raise RequestError(f"the context length must be an integer in [1, 2**20], got {n_ctx!r}")
         self.n_ctx = n_ctx or default_n_ctx(hp)
         check_degree(tp)
+        self.contract = check_contract(contract)
+        if contract == 2 and (tp != 1 or backend is not None or cuda_opts.get("one_launch")):
+            raise RequestError("contract 2 runs in one process with per-op kernels "
+                               "(tensor parallelism and --one-launch run contract 1)")
         if backend is not None:                 # a tensor-parallel rank's backend (node.tp_runtime)
             self.backend = backend
         elif device == "cpu" and tp != 1:
@@ -61,12 +78,12 @@ class Engine:
             self.backend = TpCpuBackend(model, tp)
         elif device == "cpu":
             from .backend_cpu import CpuBackend
-            self.backend = CpuBackend(model)
+            self.backend = CpuBackend(model, contract=contract)
         elif device == "cuda" and tp != 1:
             raise RequestError(f"Engine(tp={tp!r}) emulates ranks on the CPU; GPU ranks run in node.tp_runtime.TpEngine")
         elif device == "cuda":
             from .backend_cuda import CudaBackend
-            self.backend = CudaBackend(model, n_ctx=self.n_ctx, **cuda_opts)
+            self.backend = CudaBackend(model, n_ctx=self.n_ctx, contract=contract, **cuda_opts)
         else:
             raise RequestError(f"unknown device {device!r} (expected cpu or cuda)")
         self.device = device

@@ -227,7 +227,7 @@ class Generation:
         self.params = params_of(record)
         self.ids = list(record["prompt_tokens"])
         self.fed = 0
-        self.link = digest.chain_start(bytes.fromhex(engine.model.sha256), record)
+        self.link = digest.chain_start(bytes.fromhex(engine.model.sha256), record, engine.contract)
         self.tokens: list[int] = []
         self.chain: list[bytes] = []
         self.finish: str | None = None

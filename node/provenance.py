@@ -82,7 +82,7 @@ def build_payload(result: Result, engine: Engine, public_raw: bytes) -> dict:
     m = engine.model
     return {
         "format_version": FORMAT_VERSION,
-        "contract_version": digest.CONTRACT_VERSION,
+        "contract_version": engine.contract,
         "engine": {"name": "bitexact", "version": __version__, "kernels_sha256": kernels_sha256(),
                    "reference_sha256": reference_sha256()},
         "backend": engine.device,

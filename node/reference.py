@@ -5,13 +5,16 @@ cuda/*.cu and performs the same fp32 operations in the same order. numpy's
 elementwise ufuncs are single correctly rounded IEEE-754 operations (no
 contraction into FMA); reductions never use ``np.sum``/BLAS on non-integer data,
 only :func:`warp_sum`. Integer-valued products use sgemm, which is exact because
-every partial sum stays below 2**24 (see "Quantized matrix products").
+every partial sum stays below 2**24 (see "Quantized matrix products"), and
+contract 2's integer products use float64 GEMM, exact below 2**53.
 
 Shapes: ``M`` tokens, ``K`` input features, ``N`` output features, ``H`` query
 heads, ``Hkv`` KV heads, ``hd`` head dimension, ``nb = K/32`` blocks.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -133,6 +136,71 @@ def matmul_f(x: np.ndarray, w: np.ndarray, g: int | None = None, lanes: int = WA
     step = max(1, (1 << 24) // max(1, m * k))
     for i in range(0, n, step):
         out[:, i:i + step] = subtree_sum(x[:, None, :] * w[None, i:i + step, :], g, lanes, axis=-1)
+    return out
+
+
+W_CODE_BITS = 12   # contract 2: weight codes |c| <= 2^13 (two int8 slices on the GPU)
+X_CODE_BITS = 19   # contract 2: input codes |c| <= 2^20 (three int8 slices on the GPU)
+MAX_ROWINT_K = 1 << 16   # contract 2: K below this keeps every GPU slice sum below 2^31
+ROWINT_NONFINITE = 1 << 30   # contract 2: the exponent of a row holding a NaN or infinity
+
+
+class RowintWeight(NamedTuple):
+    """A float matrix ``[N, K]`` as contract 2 multiplies it (:func:`quantize_rowint`
+    with :data:`W_CODE_BITS`): integer codes int16 ``[N, K]`` and scale exponents
+    int32 ``[N]``."""
+    codes: np.ndarray
+    s: np.ndarray
+
+
+def quantize_rowint(a: np.ndarray, bits: int):
+    """Row-scaled integer codes of fp32 ``a`` ``[R, K]`` (docs/determinism.md section 14).
+
+    Per row: ``E = floor(log2(max |a|))``, scale exponent ``s = E - bits``
+    (0 for an all-zero row), codes ``c = rint(a * 2^-s)`` (round half to even;
+    the scaling is exact in float64), so ``|c| <= 2^(bits + 1)``. A row holding
+    a NaN or an infinity gets ``s =`` :data:`ROWINT_NONFINITE` and zero codes.
+    Weights take ``bits`` = :data:`W_CODE_BITS`, inputs :data:`X_CODE_BITS`.
+    Returns ``(c int32 [R, K], s int32 [R])``.
+    """
+    amax = np.max(np.abs(a), axis=1)            # NaN and inf propagate
+    bad = ~np.isfinite(amax)
+    s = np.where(amax > 0, np.frexp(np.where(bad, 1, amax))[1] - 1 - bits, 0).astype(np.int32)
+    a64 = a.astype(np.float64)
+    a64[bad] = 0.0
+    s[bad] = 0
+    c = np.rint(np.ldexp(a64, -s[:, None])).astype(np.int32)
+    s[bad] = ROWINT_NONFINITE
+    return c, s
+
+
+def matmul_rowint(xr, w: RowintWeight) -> np.ndarray:
+    """Contract 2's product of float weights (docs/determinism.md section 14):
+    ``y[m, n] = fp32_rn(I[m, n] * 2^(sx[m] + s[n]))`` with the exact integer
+    ``I = sum_k cx[m, k] * codes[n, k]``.
+
+    ``xr``: :func:`quantize_rowint` of x ``[M, K]`` with :data:`X_CODE_BITS`;
+    ``w``: a :class:`RowintWeight` ``[N, K]``. Every partial sum is an integer
+    below ``K * 2^33 < 2^53``, so the float64 GEMM is exact in any order (its
+    BLAS may use any); the one rounding is the conversion to fp32. Processed in
+    row chunks to bound memory. An output whose row of x or of W is not finite
+    (exponent :data:`ROWINT_NONFINITE`) is NaN. Returns fp32 ``[M, N]``. Raises
+    ValueError for ``K >= 2^16``.
+    """
+    cx, sx = xr
+    m, k = cx.shape
+    if k >= MAX_ROWINT_K:
+        raise ValueError(f"contract 2 products need K < {MAX_ROWINT_K}, got K={k}")
+    n = w.codes.shape[0]
+    x64 = cx.astype(np.float64)
+    out = np.empty((m, n), F32)
+    step = max(1, (1 << 22) // max(1, k))
+    bad_x = sx == ROWINT_NONFINITE
+    for i in range(0, n, step):
+        sw = w.s[i:i + step]
+        bad = bad_x[:, None] | (sw == ROWINT_NONFINITE)[None, :]
+        e = np.where(bad, 0, sx[:, None] + sw[None, :])
+        out[:, i:i + step] = np.where(bad, np.nan, np.ldexp(x64 @ w.codes[i:i + step].astype(np.float64).T, e))
     return out
 
 

@@ -286,6 +286,8 @@ class TpEngine:
     are daemonic, so they also end with the parent).
     """
 
+    contract = 1   # tensor parallelism runs determinism contract 1 (docs/determinism.md section 12)
+
     def __init__(self, model: Model, tp: int, n_ctx: int | None = None, device: str = "cpu", **cuda_opts):
         check_degree(tp)
         ShardPlan(model, tp)                                     # refuse a bad split before starting processes

@@ -9,7 +9,9 @@ capacity. Baselines in the same run, on the same shapes with random bf16 weights
 static KV cache and CUDA graphs, (c) the HBM roofline (weight bytes per decode
 step / 4.3 TB/s). Models with F16 or BF16 weights are also timed with
 ``one_launch`` (section ``NAME/one-launch``: each step in one launch,
-cuda/step.cu; the same bytes).
+cuda/step.cu; the same bytes) and under contract 2 (section ``NAME/contract2``:
+float-weight products in exact integers on int8 tensor cores, docs/determinism.md
+section 14; other bytes, attested as contract 2).
 
     python scripts/bench_gpu.py --out results.json [--layers 8] [--default-model PATH]
     python scripts/bench_gpu.py --out tp.json --tp N [--tp-layers 4 2]
@@ -88,12 +90,12 @@ def time_decode(eng, b: int, steps: int, out: dict) -> None:
         eng.release(s)
 
 
-def bench_bitexact(model, steps: int = 32, one_launch: bool = False) -> dict:
+def bench_bitexact(model, steps: int = 32, one_launch: bool = False, contract: int = 1) -> dict:
     import cupy as cp
 
     from node.engine import Engine
 
-    eng = Engine(model, "cuda", n_ctx=2048, pin=None, one_launch=one_launch)
+    eng = Engine(model, "cuda", n_ctx=2048, pin=None, one_launch=one_launch, contract=contract)
     out = {}
     for b in BATCHES:
         time_decode(eng, b, steps, out)
@@ -410,7 +412,7 @@ def main() -> int:
     import cupy as cp
 
     from node.backend_cuda import step_defines
-    from node.gguf_model import default_model_path, load_model
+    from node.gguf_model import FLOAT_TYPES, default_model_path, load_model
     from node.synth import write_model
 
     props = cp.cuda.runtime.getDeviceProperties(0)
@@ -435,6 +437,9 @@ def main() -> int:
         save_json(args.out, results)
         if step_defines(model) and "one-launch" not in args.skip:   # the same bytes in one launch per step
             run_section(results, name + "/one-launch", bench_bitexact, model, 32, True)
+            save_json(args.out, results)
+        if any(t.qtype in FLOAT_TYPES and t.rows > 1 for t in model.tensors.values()) and "contract2" not in args.skip:
+            run_section(results, name + "/contract2", bench_bitexact, model, 32, False, 2)
             save_json(args.out, results)
         if "hf" not in args.skip:
             run_section(results, name + "/hf-eager-bf16", bench_hf_eager, model.hparams)

@@ -1,16 +1,16 @@
-"""The rowint probe on the GPU: bit-exact against its numpy twins, and timed.
+"""Contract 2's products on the GPU: bit-exact against their numpy twins, and timed.
 
-scripts/rowint_probe.cu quantize_rowint and matmul_rowint (the rowint route
-weighed in docs/benchmarks.md "The route past batch 32") against
-scripts/rowint.py quantize_rowint and matmul_rowint: for small and Llama-3.1-8B-shaped matrices
-and token counts that do and do not fill a tile, the input codes (packed), the
-scale exponents and the output bytes must be equal. Then each product of the
-8B shape (Q/K/V fused, O, gate/up fused, down, LM head) is timed at batch 1, 8,
-32 and 64 (quantize_rowint + matmul_rowint, CUDA events over repeated
-launches) beside torch's bf16 matmul (cuBLAS) of the same shape, and the
-products of a whole 32-layer step are summed. Exits 1 on any mismatch.
+cuda/matmul.cu quantize_rowint and matmul_rowint (docs/determinism.md section
+14) against node/reference.py quantize_rowint and matmul_rowint: for small and
+Llama-3.1-8B-shaped matrices and token counts that do and do not fill a tile,
+the input codes (packed), the scale exponents and the output bytes must be
+equal. Then each product of the 8B shape (Q/K/V, O, gate/up, down, LM head)
+is timed at batch 1, 8, 32 and 64 (quantize_rowint + matmul_rowint, CUDA
+events over repeated launches) beside torch's bf16 matmul (cuBLAS) of the same
+shape, and the products of a whole 32-layer step are summed. Exits 1 on any
+mismatch.
 
-    python3 scripts/bench_rowint.py [--reps 20] [--out rowint_gpu.json] [-D RI_RW=1 -D RI_NT=4 ...]
+    python3 scripts/bench_rowint.py [--reps 20] [--out rowint_gpu.json]
 """
 
 from __future__ import annotations
@@ -22,33 +22,33 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-import rowint as ref  # noqa: E402
-from node.backend_cuda import ROOT, cubin_path  # noqa: E402
+from node import reference as ref  # noqa: E402
+from node.backend_cuda import load_modules, module_ints, pack_rowint_w, pack_rowint_x  # noqa: E402
 
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
              "lm_head": (128256, 4096)}
 CHECKS = [((64, 96), (1, 3, 8)), ((48, 96), (1, 9, 17)), ((6144, 4096), (1, 5, 8, 32, 33, 64)), ((4096, 14336), (1, 32, 64)),
-          ((28672, 4096), (7, 32))]
+          ((28672, 4096), (7, 32)), ((300, 256), (1, 17))]
 
 
 class Rowint:
-    def __init__(self, defines):
+    """cuda/matmul.cu's contract-2 kernels, launched as node/backend_cuda.py launches them."""
+
+    def __init__(self):
         import cupy as cp
 
         self.cp = cp
-        mod = cp.RawModule(path=cubin_path(os.path.join(ROOT, "scripts", "rowint_probe.cu"), tuple(defines)))
+        mod = load_modules(cp)["matmul.cu"]
         self.q, self.mm = mod.get_function("quantize_rowint"), mod.get_function("matmul_rowint")
-        flag = {d.split("=")[0]: int(d.split("=")[1]) for d in defines if "=" in d}
-        self.rw, self.nt = flag.get("-DRI_RW", 2), flag.get("-DRI_NT", 2)   # the probe's defaults
+        self.tokens, self.rows, _ = module_ints(mod, "bx_ri_geometry", 3)
 
     def weights(self, w: np.ndarray):
-        """Host weights fp32 ``[N, K]`` -> device (packed codes, exponents) and the twin's codes."""
+        """Host weights fp32 ``[N, K]`` -> device (packed codes, exponents) and the twin's weight."""
         cw, sw = ref.quantize_rowint(w, ref.W_CODE_BITS)
-        return (self.cp.asarray(ref.pack_w(np, cw)), self.cp.asarray(sw)), (cw, sw)
+        return (pack_rowint_w(self.cp, self.cp.asarray(cw)), self.cp.asarray(sw)), ref.RowintWeight(cw, sw)
 
     def quantize(self, x):
         cp = self.cp
@@ -60,8 +60,8 @@ class Rowint:
         return px, sx
 
     def matmul(self, px, sx, pw, sw, m, n, k, y):
-        assert n % 16 == 0 and k % 32 == 0 and pw.shape == (n // 16, k // 32, 2, 512) and y.shape == (m, n)
-        self.mm((-(-m // (8 * self.nt)), -(-n // (16 * self.rw))), (256,),
+        assert k % 32 == 0 and pw.shape == (-(-n // 16), k // 32, 2, 512) and y.shape == (m, n)
+        self.mm((-(-m // self.tokens), -(-n // self.rows)), (256,),
                 (pw, sw, px, sx, y, np.int32(m), np.int32(n), np.int32(k)))
 
 
@@ -93,7 +93,7 @@ def check(ri: Rowint, rng) -> list:
             y = cp.empty((m, n), cp.float32)
             ri.matmul(px, sx, pw, sw, m, n, k, y)
             got = cp.asnumpy(y)
-            ok = {"codes": bool(np.array_equal(cp.asnumpy(px), ref.pack_x(xr[0]))),
+            ok = {"codes": bool(np.array_equal(cp.asnumpy(px), pack_rowint_x(xr[0]))),
                   "exponents": bool(np.array_equal(cp.asnumpy(sx), xr[1])),
                   "output": got.tobytes() == want.tobytes()}
             row = {"n": n, "k": k, "m": m, **ok, "sha256": hashlib.sha256(want.tobytes()).hexdigest()[:16],
@@ -122,7 +122,7 @@ def bench(ri: Rowint, rng, reps: int) -> dict:
     for name, (n, k) in SHAPES_8B.items():
         w16 = weights_like(np.random.default_rng(1), 16, k)   # timed, not checked: one 16-row tile repeated
         cw, sw = ref.quantize_rowint(w16, ref.W_CODE_BITS)
-        pw = ref.pack_w(cp, cp.tile(cp.asarray(cw), (n // 16, 1)))
+        pw = pack_rowint_w(cp, cp.tile(cp.asarray(cw), (n // 16, 1)))
         sw = cp.tile(cp.asarray(sw), n // 16)
         wt = torch.as_tensor(cp.tile(cp.asarray(w16), (n // 16, 1)), device="cuda").to(torch.bfloat16)
         res[name] = {}
@@ -152,12 +152,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out")
-    ap.add_argument("-D", action="append", default=[], help="a -D flag for cuda/matmul.cu (repeatable)")
     args = ap.parse_args()
-    ri = Rowint([f"-D{d}" for d in args.D])
+    ri = Rowint()
     rng = np.random.default_rng(7)
     checks = check(ri, rng)
-    report = {"defines": args.D, "checks": checks, "bench": bench(ri, rng, args.reps)}
+    report = {"checks": checks, "bench": bench(ri, rng, args.reps)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

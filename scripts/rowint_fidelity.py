@@ -1,24 +1,23 @@
-"""What row-scaled integer codes for float weights would cost in fidelity (CPU).
+"""What contract 2's integer products of float weights cost in fidelity (CPU).
 
-docs/benchmarks.md ("The route past batch 32") weighs a contract for F16/BF16
-products in which each weight row and each token's input become integer codes
-with one power-of-two scale each (``rne(a / 2^(E - bits))``, E the binary
-exponent of the row's largest magnitude; 12 bits for weights, 19 for inputs),
-the dot product is the exact integer sum of code products, and the output is
-that integer times both scales, rounded once to fp32. Its sums are exact in
-any order, so int8 tensor cores could compute it; its codes round the weights
-and inputs. This script measures that rounding on real weights: the default
-model's matrices dequantized and rounded to BF16 (a BF16 copy of SmolLM2-135M),
-run by the CPU engine with three float-product rules:
+Contract 2 (docs/determinism.md section 14) multiplies F32/F16/BF16 weights as
+integer codes: each weight row and each token's input with one power-of-two
+scale (``rne(a / 2^(E - bits))``, E the binary exponent of the row's largest
+magnitude; 12 bits for weights, 19 for inputs), the dot product the exact
+integer sum of code products, the output that integer times both scales,
+rounded once to fp32. Its sums are exact in any order, so int8 tensor cores
+compute it; its codes round the weights and inputs. This script measures that
+rounding on real weights: the default model's matrices dequantized and
+rounded to BF16 (a BF16 copy of SmolLM2-135M), run by the CPU engine:
 
-* ``contract``: the node's rule (node/reference.py matmul_f, fp32 lane sums);
+* ``contract``: contract 1 (node/reference.py matmul_f, fp32 lane sums);
 * ``float64``: every product in float64, rounded once to fp32 (a near-exact
-  reference for how far each rule is from the real value);
-* ``rowint``: the integer-code rule above (scripts/rowint.py).
+  reference for how far each contract is from the real value);
+* ``rowint``: contract 2 (node/reference.py matmul_rowint).
 
 For each prompt it reports the largest logit difference from ``float64`` at
-every prefill position and greedy step, and how many greedy tokens each rule
-keeps in common with ``float64``. A study of a proposal, not the node's code.
+every prefill position and greedy step, and how many greedy tokens each
+contract keeps in common with ``float64``.
 
     python scripts/rowint_fidelity.py [--tokens 48] [--out rowint.json]
 """
@@ -32,11 +31,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
-import rowint  # noqa: E402
 from node import reference  # noqa: E402
 from node.engine import Engine  # noqa: E402
 from node.gguf_model import default_model_path, dequantize_rows, load_model  # noqa: E402
@@ -75,25 +72,18 @@ def main() -> int:
     model = load_model(path)
     tok = Tokenizer(model)
     contract = reference.matmul_f
-    wcodes: dict = {}
 
     def f64(x, w, g=None, lanes=reference.WARP):
         return (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
 
-    def rowint_rule(x, w, g=None, lanes=reference.WARP):
-        key = (id(w), w.shape)
-        if key not in wcodes:
-            wcodes[key] = (w, rowint.quantize_rowint(w, rowint.W_CODE_BITS))   # w kept: its id stays unique
-        return rowint.matmul_rowint(rowint.quantize_rowint(x, rowint.X_CODE_BITS), wcodes[key][1])
-
-    rules = {"contract": contract, "float64": f64, "rowint": rowint_rule}
+    rules = {"contract": (1, contract), "float64": (1, f64), "rowint": (2, contract)}
     report = {"model": "SmolLM2-135M-Instruct, 2-D tensors as BF16", "tokens": args.tokens, "prompts": []}
     for prompt in PROMPTS:
         ids = tok.encode(tok.render_chat([{"role": "user", "content": prompt}]), special=True)
         runs = {}
-        for name, fn in rules.items():
+        for name, (version, fn) in rules.items():
             reference.matmul_f = fn
-            eng = Engine(model)
+            eng = Engine(model, contract=version)
             seq = eng.new_sequence()
             logits = [eng.forward([(seq, ids)])[0]]
             out = []

@@ -1,4 +1,4 @@
-"""Golden digests of the reference engine, contract version 1.
+"""Golden digests of the reference engine, contract versions 1 and 2.
 
 Pinned from the numpy engine; the CUDA engine must reproduce every one of them
 (tests/test_gpu.py). A change here means the contract changed.
@@ -22,6 +22,13 @@ GOLDEN_SYNTH = {
     "Q4_1": "793ce6879deb4d31952a69635c0a7a5487c116c49213b3052e9c9b775d9ab636",
     "Q4_K": "0efc347fddbbf4b3253b5260b4bc15ad5bf3319355907de10ce662eaf5e06845",
     "Q6_K": "6b5db153038b9c2ee56f9ef05950394e181c510367f5ed37b46aa152274b3f57",
+}
+# Contract 2 (docs/determinism.md section 14) changes the float types only: a quantized
+# model's digests are those of contract 1.
+GOLDEN_SYNTH_CONTRACT2 = {
+    "F32": "2514acfdc70b662312e575c232cdc140e9d9d77be1a3d69664c73d4dedd2c6e6",
+    "F16": "4f2a5c91f3210cc32b032402307300dbacb2d0be61529001f36ad748382ad7bb",
+    "BF16": "09bc1205fdb20f17f8bd64da5875561d08b3fbf7900f9c667bc828eb548bec63",
 }
 GOLDEN_DEFAULT = "bc732acf74d7ec6bd73af07c844a123279a4bd2de6114d8256962eaf1a8709ff"
 

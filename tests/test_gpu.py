@@ -54,6 +54,12 @@ def backends(models):
     return {q: CudaBackend(m, pin=None, kv_pages=64) for q, m in models.items()}
 
 
+@pytest.fixture(scope="module")
+def backends_c2(models):
+    from node.backend_cuda import CudaBackend
+    return {q: CudaBackend(models[q], pin=None, kv_pages=8, contract=2) for q in ("F32", "F16", "BF16")}
+
+
 def test_gpu_pinned_and_recorded(models):
     from node.backend_cuda import CudaBackend, GpuError
     with pytest.raises(GpuError, match="pinned"):
@@ -332,6 +338,67 @@ def test_golden_synthetic_on_gpu(tmp_path, qtype):
         assert golden.logits_sha(eng, golden.SYNTH_TOKENS) == golden.GOLDEN_SYNTH[qtype], one_launch
 
 
+@pytest.mark.parametrize("qtype", sorted(golden.GOLDEN_SYNTH_CONTRACT2))
+def test_golden_synthetic_contract2_on_gpu(tmp_path, qtype):
+    """Contract 2's golden digests (docs/determinism.md section 14) on the per-op kernels."""
+    model = load_model(golden.synth_case(tmp_path, qtype))
+    eng = Engine(model, "cuda", pin=None, kv_pages=16, contract=2)
+    assert golden.logits_sha(eng, golden.SYNTH_TOKENS) == golden.GOLDEN_SYNTH_CONTRACT2[qtype]
+
+
+def rowint_inputs(rng, m, k):
+    """fp32 [m, k] inputs for the contract-2 twins: scales over many binades, an
+    all-zero row, signed zeros, subnormals, an outlier; with m > 4 a row holding a
+    NaN and one holding -inf."""
+    x = (rng.standard_normal((m, k)) * 10 ** rng.uniform(-30, 30, (m, 1))).astype(F32)
+    x[0] = 0.0
+    x[-1, :4] = [-0.0, 1e-40, -3e-39, 2.0 ** -149]
+    x[-1, 5] = np.float32(6.5e4)
+    if m > 4:
+        x[1, 7], x[2, 9] = np.nan, -np.inf
+    return x
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 17, 33])
+def test_quantize_rowint_twin(backends_c2, m):
+    from node.backend_cuda import pack_rowint_x
+    be = backends_c2["BF16"]
+    x = rowint_inputs(np.random.default_rng(m), m, 512)
+    codes, s = ref.quantize_rowint(x, ref.X_CODE_BITS)
+    px, sx = be.launch_quantize_rowint(be.from_host(x))
+    assert_same(pack_rowint_x(codes), be.to_host(px), "codes")
+    assert_same(s, be.to_host(sx), "exponents")
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("m", [1, 5, 8, 17, 33])
+def test_matmul_rowint_twin(models, backends_c2, qtype, m):
+    """Every float matrix shape of the model (N not a multiple of the block's 32 rows:
+    the LM head's 300) against reference.matmul_rowint; NaN and inf rows give NaN."""
+    be, model = backends_c2[qtype], models[qtype]
+    rng = np.random.default_rng(200 + m)
+    for name in ("blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "output.weight", "blk.0.attn_k.weight"):
+        t = model.tensors[name]
+        x = rowint_inputs(rng, m, t.cols)
+        codes, s = ref.quantize_rowint(float_values(t), ref.W_CODE_BITS)
+        want = ref.matmul_rowint(ref.quantize_rowint(x, ref.X_CODE_BITS), ref.RowintWeight(codes, s))
+        got = be.to_host(be.launch_matmul_rowint(be.launch_quantize_rowint(be.from_host(x)), name))
+        nan = np.isnan(want)
+        assert np.array_equal(nan, np.isnan(got)), name
+        assert_same(np.where(nan, 0, want), np.where(nan, 0, got), name)   # NaN bits differ by device
+
+
+@pytest.mark.parametrize("shape", ["smollm2", "llama-1b", "llama-8b"])
+@pytest.mark.parametrize("qtype", ["BF16", "F16"])
+def test_real_shapes_contract2_equal_reference(tmp_path, shape, qtype):
+    """Contract 2 at real model shapes (first 2 layers): GPU bytes == numpy bytes."""
+    model = load_model(write_model(str(tmp_path / "m.gguf"), shape, qtype, seed=4, n_layer=2))
+    toks = list(np.random.default_rng(1).integers(0, model.hparams.n_vocab, 12))
+    cpu = step_logits(Engine(model, "cpu", contract=2), toks, 3)
+    gpu = step_logits(Engine(model, "cuda", pin=None, kv_pages=16, contract=2), toks, 3)
+    assert_same(cpu, gpu, "logits, contract 2")
+
+
 def step_logits(engine, toks, steps):
     """All prefill logits, then greedy decode logits, concatenated."""
     seq = engine.new_sequence()
@@ -358,18 +425,19 @@ def test_real_shapes_equal_reference(tmp_path, shape, qtype):
         assert_same(cpu, gpu, f"logits, one launch {one_launch}")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "BF16"])
-def test_batches_1_to_64_chunked_and_prefix_reuse(models, qtype):
+@pytest.mark.parametrize("qtype, contract", [("Q4_1", 1), ("BF16", 1), ("BF16", 2)])
+def test_batches_1_to_64_chunked_and_prefix_reuse(models, qtype, contract):
     """Random batches of 1..64 sequences, random prefill chunks, token-by-token
     prefill and prefix reuse: every target's logits equal its solo GPU and CPU bytes
     (Q4_1: the per-op kernels; BF16: each step in one launch, cuda/step.cu, against
     the CPU for the first 4 sequences of a trial, whose numpy twin is slow, and
-    against solo runs of the per-op kernels for the others)."""
+    against solo runs of the per-op kernels for the others; BF16 under contract 2:
+    the per-op kernels, all against the CPU)."""
     model = models[qtype]
-    cpu_seqs = 64 if qtype == "Q4_1" else 4
+    cpu_seqs = 4 if (qtype, contract) == ("BF16", 1) else 64
     rng = np.random.default_rng(77)
-    gpu = Engine(model, "cuda", pin=None, kv_pages=1024, one_launch=True)
-    assert (gpu.backend.step is None) == (qtype == "Q4_1")
+    gpu = Engine(model, "cuda", pin=None, kv_pages=1024, one_launch=contract == 1, contract=contract)
+    assert (gpu.backend.step is None) == (qtype == "Q4_1" or contract == 2)
     gpu_solo = Engine(model, "cuda", pin=None, kv_pages=8)   # BF16: the per-op kernels
     solo = {}
     for trial in range(12):
@@ -405,7 +473,7 @@ def test_batches_1_to_64_chunked_and_prefix_reuse(models, qtype):
             tail = np.concatenate(got[i]) if got[i] else np.zeros((0, 300), F32)
             key = (tuple(prompts[i]), i < cpu_seqs)
             if key not in solo:
-                e = Engine(model, "cpu") if i < cpu_seqs else gpu_solo
+                e = Engine(model, "cpu", contract=contract) if i < cpu_seqs else gpu_solo
                 s = e.new_sequence()
                 solo[key] = e.forward([(s, prompts[i])], all_logits=True)[0]
                 e.release(s)
@@ -489,17 +557,19 @@ def test_ten_thousand_runs_one_digest(default_model):
     assert digests == {link.hex()}
 
 
-@pytest.mark.parametrize("qtype, one_launch", [("Q4_K", False), ("BF16", False), ("BF16", True)])
-def test_graph_replay_equals_eager(models, qtype, one_launch):
+@pytest.mark.parametrize("qtype, one_launch, contract", [("Q4_K", False, 1), ("BF16", False, 1), ("BF16", True, 1),
+                                                         ("BF16", False, 2)])
+def test_graph_replay_equals_eager(models, qtype, one_launch, contract):
     """Steps replayed through CUDA graphs (padded to their graph's tokens, logits rows
     and KV splits) equal eager launches: a prefill step, decode steps, and steps that
     mix decode tokens with another sequence's prompt chunk as it crosses a KV split
-    (BF16 also with each step in one launch, a cooperative launch in the graph)."""
+    (BF16 also with each step in one launch, a cooperative launch in the graph, and
+    under contract 2)."""
     model = models[qtype]
     outs = []
     for graphs in (True, False):
         rng = np.random.default_rng(3)
-        eng = Engine(model, "cuda", pin=None, kv_pages=64, graphs=graphs, one_launch=one_launch)
+        eng = Engine(model, "cuda", pin=None, kv_pages=64, graphs=graphs, one_launch=one_launch, contract=contract)
         seqs = [eng.new_sequence() for _ in range(5)]
         steps = [np.stack(eng.forward([(s, rng.integers(0, 300, 20 + 7 * i).tolist()) for i, s in enumerate(seqs)]))]
         late, prompt = eng.new_sequence(), rng.integers(0, 300, 290).tolist()

@@ -98,12 +98,7 @@ def test_record_layout_mirrors_the_kernel():
             lambda qt: bc.mq_record_bytes(qt) + (16 if qt == "Q4_K" else 0)), header)
 
 
-# scripts/rowint_probe.cu: a probe of a route the node does not run (docs/benchmarks.md, "The route
-# past batch 32"), held to the same rules; the cases below join its path to CUDA, which keeps it whole
-PROBE = os.path.join(ROOT, "scripts", "rowint_probe.cu")
-
-
-@pytest.mark.parametrize("name", sorted(n for n in os.listdir(CUDA) if n.endswith((".cu", ".cuh"))) + [PROBE])
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(CUDA) if n.endswith((".cu", ".cuh"))))
 def test_no_atomics_in_source(name):
     with open(os.path.join(CUDA, name)) as f:
         text = f.read()
@@ -116,8 +111,7 @@ def test_no_atomics_in_source(name):
 STEP_SHAPES = [(), ("-DST_D=256", "-DST_F=512", "-DST_HD=64", "-DST_H=4", "-DST_HKV=2", "-DST_WT=1"),
                ("-DST_D=2048", "-DST_F=8192", "-DST_HD=64", "-DST_H=32", "-DST_HKV=8", "-DST_WT=2"),
                ("-DST_TIMES=1",)]
-BUILDS = [(n, ()) for n in KERNEL_FILES] + [(STEP_FILE, d) for d in STEP_SHAPES] + \
-    [(PROBE, ()), (PROBE, ("-DRI_RW=1", "-DRI_NT=4"))]
+BUILDS = [(n, ()) for n in KERNEL_FILES] + [(STEP_FILE, d) for d in STEP_SHAPES]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")

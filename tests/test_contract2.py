@@ -1,0 +1,249 @@
+"""Contract 2 (docs/determinism.md section 14): float-weight products in exact integers.
+
+The numpy twins (node/reference.py quantize_rowint, matmul_rowint) against exact
+rational arithmetic, the GPU layouts (node/backend_cuda.py pack_rowint_w,
+pack_rowint_x) against the PTX fragment maps, the engine's batch independence
+and refusals, and the attested contract version end to end (run, verify, a
+forged version). The CUDA kernels are checked against these twins by
+tests/test_gpu.py.
+"""
+
+import json
+import os
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from attest import envelope, keys
+from node import reference as ref
+from node.backend_cuda import pack_rowint_w, pack_rowint_x
+from node.engine import Engine
+from node.errors import RequestError
+from node.gguf_model import default_model_path, load_model
+from node.synth import copy_model, write_model
+from test_attest import assert_input_error, bx, sign_raw
+
+F32 = np.float32
+
+
+def _inputs(rng, m, k):
+    x = rng.standard_normal((m, k)).astype(F32)
+    x[0, :] = 0.0                                   # an all-zero row
+    x[1, :3] = [1e-40, -3e-39, 2.0 ** -149]         # subnormals
+    x[2, 5] = np.float32(6.5e4)                     # an outlier
+    x[3] = np.float32(2.0 ** -140) * np.sign(x[3])  # a row of subnormals only
+    return x
+
+
+@pytest.mark.parametrize("bits", [ref.W_CODE_BITS, ref.X_CODE_BITS])
+def test_codes_are_the_rounded_scaled_values_within_their_bound(bits):
+    a = _inputs(np.random.default_rng(1), 6, 64)
+    c, s = ref.quantize_rowint(a, bits)
+    assert c.dtype == np.int32 and s.dtype == np.int32
+    assert np.max(np.abs(c)) <= 2 ** (bits + 1) and s[0] == 0 and not c[0].any()
+    for r in range(1, 6):
+        amax = max(abs(Fraction(float(v))) for v in a[r])
+        e = int(s[r]) + bits   # floor(log2(max |a|))
+        assert Fraction(2) ** e <= amax < Fraction(2) ** (e + 1), r
+        for v, code in zip(a[r], c[r]):
+            exact = Fraction(float(v)) / Fraction(2) ** int(s[r])
+            assert abs(exact - int(code)) <= Fraction(1, 2)
+            if abs(exact - int(code)) == Fraction(1, 2):
+                assert int(code) % 2 == 0   # ties to even
+
+
+def test_the_product_is_the_exact_integer_scaled_and_rounded_once():
+    rng = np.random.default_rng(2)
+    x, w = _inputs(rng, 5, 96), rng.standard_normal((7, 96)).astype(F32)
+    w[2] = 0.0
+    xr = ref.quantize_rowint(x, ref.X_CODE_BITS)
+    wr = ref.RowintWeight(*ref.quantize_rowint(w, ref.W_CODE_BITS))
+    y = ref.matmul_rowint(xr, wr)
+    assert y.dtype == F32 and y.shape == (5, 7)
+    for m in range(5):
+        for n in range(7):
+            exact = sum(int(a) * int(b) for a, b in zip(xr[0][m], wr.codes[n]))
+            value = Fraction(exact) * Fraction(2) ** int(xr[1][m] + wr.s[n])
+            assert abs(exact) < 2 ** 53   # so exact -> double is exact, and double -> fp32 the one rounding
+            assert y[m, n].tobytes() == np.float32(float(value)).tobytes(), (m, n)   # +0.0, never -0.0
+
+
+def test_the_product_does_not_depend_on_the_order_of_k():
+    """Integer sums: any permutation of K (what a split or tile does) gives the same bytes,
+    which a float sum of these terms would not (checked below on the same data)."""
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((4, 4096)).astype(F32), rng.standard_normal((8, 4096)).astype(F32)
+    perm = rng.permutation(4096)
+
+    def product(xx, ww):
+        return ref.matmul_rowint(ref.quantize_rowint(xx, ref.X_CODE_BITS),
+                                 ref.RowintWeight(*ref.quantize_rowint(ww, ref.W_CODE_BITS)))
+    assert product(x, w).tobytes() == product(x[:, perm], w[:, perm]).tobytes()
+    t = x[0] * w[0]
+    assert np.cumsum(t, dtype=F32)[-1] != np.cumsum(t[perm], dtype=F32)[-1]
+
+
+def test_a_row_that_is_not_finite_faults_only_its_own_outputs():
+    rng = np.random.default_rng(4)
+    x, w = rng.standard_normal((4, 64)).astype(F32), rng.standard_normal((5, 64)).astype(F32)
+    x[1, 3], x[2, 60] = np.nan, -np.inf
+    w[4, 0] = np.inf
+    xr, (cw, sw) = ref.quantize_rowint(x, ref.X_CODE_BITS), ref.quantize_rowint(w, ref.W_CODE_BITS)
+    assert xr[1].tolist()[1:3] == [ref.ROWINT_NONFINITE] * 2 and not xr[0][1:3].any()
+    assert sw[4] == ref.ROWINT_NONFINITE and not cw[4].any()
+    y = ref.matmul_rowint(xr, ref.RowintWeight(cw, sw))
+    bad = np.zeros(y.shape, bool)
+    bad[1:3], bad[:, 4] = True, True
+    assert np.array_equal(np.isnan(y), bad)
+
+
+def test_k_of_2_16_or_more_is_refused():
+    x = np.zeros((1, ref.MAX_ROWINT_K), F32)
+    with pytest.raises(ValueError, match="K < 65536"):
+        ref.matmul_rowint(ref.quantize_rowint(x, ref.X_CODE_BITS),
+                          ref.RowintWeight(*ref.quantize_rowint(x, ref.W_CODE_BITS)))
+
+
+def test_weight_layout_is_the_mma_a_fragments_in_lane_order():
+    """PTX ISA "Matrix Fragments for mma.m16n8k32" (.s8 A): lane 4g + t holds rows g
+    and g + 8 at k 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3; N = 20 pads a tile with zeros."""
+    rng = np.random.default_rng(4)
+    codes = rng.integers(-2 ** 13, 2 ** 13 + 1, size=(20, 64)).astype(np.int32)
+    p = pack_rowint_w(np, codes)
+    assert p.shape == (2, 2, 2, 512) and p.dtype == np.uint8
+    c = np.zeros((32, 64), np.int32)
+    c[:20] = codes
+    for s, sl in enumerate((c & 127, c >> 7)):
+        assert sl.min() >= -64 and sl.max() <= 127
+        for rt in range(2):
+            for kk in range(2):
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    for j in range(4):   # a0 .. a3: rows g, g + 8; elements 4t .., then 16 + 4t ..
+                        for i in range(4):
+                            row, col = rt * 16 + g + 8 * (j & 1), kk * 32 + 4 * t + 16 * (j >> 1) + i
+                            assert p[rt, kk, s, lane * 16 + j * 4 + i] == sl[row, col] & 0xFF
+    assert np.array_equal((c >> 7) * 128 + (c & 127), c)
+
+
+def test_input_layout_is_the_mma_b_fragments_in_lane_order():
+    rng = np.random.default_rng(5)
+    codes = rng.integers(-2 ** 20, 2 ** 20 + 1, size=(11, 64)).astype(np.int32)
+    p = pack_rowint_x(codes)
+    assert p.shape == (2, 2, 3, 256) and p.dtype == np.uint8
+    for s, sl in enumerate((codes & 127, (codes >> 7) & 127, codes >> 14)):
+        for tt in range(2):
+            for kk in range(2):
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    for h in range(2):   # b0, b1: token g, elements 4t .., then 16 + 4t ..
+                        for i in range(4):
+                            tok, col = tt * 8 + g, kk * 32 + 16 * h + 4 * t + i
+                            want = sl[tok, col] & 0xFF if tok < 11 else 0
+                            assert p[tt, kk, s, lane * 8 + h * 4 + i] == want
+    assert np.array_equal((codes >> 14) * 2 ** 14 + ((codes >> 7) & 127) * 128 + (codes & 127), codes)
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    return load_model(write_model(str(tmp_path_factory.mktemp("c2") / "bf16.gguf"), "tiny", "BF16", seed=11))
+
+
+def _all_logits(engine, chunks_of):
+    """Logits of every token of each prompt in ``chunks_of`` (a list of chunk lists),
+    fed one step per chunk index with all prompts' chunks of that index in one step."""
+    seqs = [engine.new_sequence() for _ in chunks_of]
+    out = [[] for _ in chunks_of]
+    for i in range(max(len(c) for c in chunks_of)):
+        step = [(s, c[i]) for s, c in zip(seqs, chunks_of) if i < len(c)]
+        who = [j for j, c in enumerate(chunks_of) if i < len(c)]
+        for j, lg in zip(who, engine.forward(step, all_logits=True)):
+            out[j].append(lg)
+    return [np.concatenate(o) for o in out]
+
+
+def test_contract2_bytes_do_not_depend_on_batch_chunks_or_weight_budget(bf16):
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (13, 5, 21)]
+    solo = [_all_logits(Engine(bf16, contract=2), [[p]])[0] for p in prompts]
+    batched = _all_logits(Engine(bf16, contract=2), [[c for c in (p[:4], p[4:9], p[9:]) if c] for p in prompts])
+    one_by_one = _all_logits(Engine(bf16, contract=2), [[[t] for t in p] for p in prompts])
+    from node.backend_cpu import CpuBackend
+    chunked = Engine(bf16, contract=2)
+    chunked.backend = CpuBackend(bf16, weight_cache=0, contract=2)   # every matrix decoded row chunk by chunk
+    streamed = _all_logits(chunked, [[p] for p in prompts])
+    for s, b, o, c in zip(solo, batched, one_by_one, streamed):
+        assert s.tobytes() == b.tobytes() == o.tobytes() == c.tobytes()
+
+
+def test_contract2_is_another_contract_close_to_float64(bf16):
+    """Contract 2 changes the bytes (so it is attested) and stays close to the float64
+    forward pass (node/reference.py matmul_f replaced by float64 products)."""
+    toks = list(range(1, 30))
+    one, two = (_all_logits(Engine(bf16, contract=c), [[toks]])[0] for c in (1, 2))
+    assert one.tobytes() != two.tobytes()
+    assert np.max(np.abs(one - two)) < 1e-2 * np.max(np.abs(one))
+
+
+@pytest.mark.parametrize("kw, needle", [({"contract": 3}, "must be one of"), ({"contract": True}, "must be one of"),
+                                        ({"contract": "2"}, "must be one of"),
+                                        ({"contract": 2, "tp": 2}, "one process"),
+                                        ({"contract": 2, "one_launch": True}, "one-launch")])
+def test_engine_refusals(bf16, kw, needle):
+    with pytest.raises(RequestError, match=needle):
+        Engine(bf16, **kw)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """The default model with two matrices in BF16 (seeded normals): a model with a
+    tokenizer whose bytes differ between the contracts."""
+    import gguf
+    src = load_model(default_model_path())
+    rng = np.random.default_rng(12)
+
+    def bf16_matrix(name, data, qtype):
+        if name not in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight"):
+            return None
+        t = src.tensors[name]
+        w = (rng.standard_normal((t.rows, t.cols)) * 0.05).astype(F32)
+        return (w.view(np.uint32) >> 16).astype(np.uint16), gguf.GGMLQuantizationType.BF16
+
+    return copy_model(src.path, str(tmp_path_factory.mktemp("c2") / "mixed.gguf"), tensor=bf16_matrix)
+
+
+def test_run_and_verify_attest_contract2_and_a_forged_version_fails(mixed, tmp_path):
+    assert bx(tmp_path, "keygen", "--out", "k.pem").returncode == 0
+    payloads = {}
+    for c in (1, 2):
+        p = bx(tmp_path, "run", "--key", "k.pem", "--model", mixed, "--prompt", "The sky is", "--max-tokens", 4,
+               "--device", "cpu", "--contract", c, "--attestation", f"c{c}.bxa")
+        assert p.returncode == 0, p.stderr
+        with open(tmp_path / f"c{c}.bxa", "rb") as f:
+            payloads[c] = envelope.open_envelope(f.read())
+        assert payloads[c]["contract_version"] == c
+    assert payloads[1]["output"]["step_chain"][-1] != payloads[2]["output"]["step_chain"][-1]
+    v = bx(tmp_path, "verify", "c2.bxa", "--model", mixed, "--json")
+    assert v.returncode == 0 and json.loads(v.stdout)["result"] == "OK", v.stdout + v.stderr
+    forged = dict(payloads[2], contract_version=1)   # contract 2's tokens and chain, claimed as contract 1
+    with open(tmp_path / "f.bxa", "wb") as f:
+        f.write(sign_raw(forged, keys.load_private(str(tmp_path / "k.pem"))))
+    v = bx(tmp_path, "verify", "f.bxa", "--model", mixed)
+    assert v.returncode == 1 and "FAIL: first divergent step 0" in v.stdout, v.stdout + v.stderr
+    forged["contract_version"] = 7
+    with open(tmp_path / "g.bxa", "wb") as f:
+        f.write(sign_raw(forged, keys.load_private(str(tmp_path / "k.pem"))))
+    line = assert_input_error(bx(tmp_path, "verify", "g.bxa", "--model", mixed))
+    assert "unknown determinism-contract version 7" in line
+
+
+def test_cli_refuses_contract2_with_tensor_parallelism_and_unknown_versions(bf16, tmp_path):
+    assert bx(tmp_path, "keygen", "--out", "k.pem").returncode == 0
+    line = assert_input_error(bx(tmp_path, "serve", "--key", "k.pem", "--model", bf16.path, "--device", "cpu",
+                                 "--tp", 2, "--contract", 2, "--port", 0))
+    assert "--contract 2 runs in one process" in line
+    line = assert_input_error(bx(tmp_path, "run", "--key", "k.pem", "--model", bf16.path, "--prompt", "hi",
+                                 "--contract", 3))
+    assert "--contract" in line
+    assert sorted(os.listdir(tmp_path)) == ["k.pem", "k.pub.pem"]
