@@ -142,7 +142,7 @@ def bench(ri: Rowint, rng, reps: int) -> dict:
         del pw, wt
         cp.get_default_memory_pool().free_all_blocks()
     layer = ("qkv", "o", "gate_up", "down")
-    res["step_32_layers_ms"] = {m: {e: round((32 * sum(res[p][m][e] for p in layer) + res["lm_head"][m][e]) / 1e3, 3)
+    res["step_32_layers_ms"] = {m: {e[:-2] + "ms": round((32 * sum(res[p][m][e] for p in layer) + res["lm_head"][m][e]) / 1e3, 3)
                                     for e in ("rowint_us", "cublas_bf16_us")} for m in (1, 8, 32, 64)}
     print(json.dumps(res["step_32_layers_ms"]), flush=True)
     return res

@@ -387,7 +387,7 @@ def test_unknown_envelope_format_version(art):
 @pytest.mark.parametrize("field,value,message", [
     ("format_version", 2, "unknown payload format version"),
     ("format_version", 0, "unknown payload format version"),
-    ("contract_version", 2, "unknown determinism-contract version"),
+    ("contract_version", 3, "unknown determinism-contract version"),
     ("contract_version", 0, "unknown determinism-contract version"),
 ])
 def test_unknown_payload_versions(art, field, value, message):
