@@ -113,6 +113,8 @@ def check_payload(p) -> None:
     if p["backend"] not in DEVICE_FIELDS:
         raise AttestationError(f"unknown backend {p['backend']!r}")
     _check_device(p["device"], p["backend"])
+    if p["contract_version"] == 2 and p["device"].get("tensor_parallel", 1) != 1:
+        raise AttestationError("field device.tensor_parallel must be 1 under contract 2 (it runs in one process)")
     try:  # RFC 3339, UTC, whole seconds: the form node/provenance.py writes (strptime alone takes 2024-1-1)
         if not TIMESTAMP.fullmatch(p["timestamp"]):
             raise ValueError

@@ -60,12 +60,15 @@ def decode_rows(t: Tensor, a: int, b: int, k0: int = 0, k1: int | None = None, c
     or a :class:`node.reference.RefQuantWeight`. Only the bytes of that range
     are decoded (for a K-quant, the super-blocks holding it), with the values
     decoding the whole matrix gives: each block (each row, for contract 2)
-    decodes alone."""
+    decodes alone). Raises ValueError for a part of K under contract 2 (a row's
+    scale exponent is its whole row's)."""
     k1 = t.cols if k1 is None else k1
     if t.qtype in FLOAT_TYPES:
         es = t.raw.shape[1] // t.cols   # bytes per element
         w = float_values(Tensor(t.name, t.qtype, b - a, k1 - k0, t.raw[a:b, k0 * es:k1 * es]))
         if contract == 2:
+            if (k0, k1) != (0, t.cols):   # a row's exponent is its whole row's
+                raise ValueError(f"{t.name}: contract 2 decodes whole rows, not K range [{k0}, {k1})")
             codes, s = ref.quantize_rowint(w, ref.W_CODE_BITS)
             return ref.RowintWeight(codes.astype(np.int16), s)
         return w

@@ -485,8 +485,6 @@ class CudaBackend:
                         continue
                 if t.qtype in FLOAT_TYPES and t.cols % 32:
                     raise GpuError(f"{name}: the CUDA engine needs float matrices with K % 32 == 0, got K={t.cols}")
-                if t.qtype in FLOAT_TYPES and contract == 2 and t.cols >= MAX_ROWINT_K:
-                    raise GpuError(f"{name}: contract 2 needs K < {MAX_ROWINT_K}, got K={t.cols}")
                 self._mats[name] = self._mat(name, t)
             hp = self.hp
             self.kv_heads = self._kv_heads()

@@ -117,8 +117,9 @@ def open_engine(args):
     from .gguf_model import default_model_path, load_model
     from .tokenizer import Tokenizer
 
-    if getattr(args, "tp", 1) != 1 and args.contract != 1:
-        raise RequestError("--contract 2 runs in one process (tensor parallelism runs contract 1)")
+    if args.contract != 1 and (getattr(args, "tp", 1) != 1 or getattr(args, "one_launch", False)):
+        raise RequestError("--contract 2 runs in one process with per-op kernels "
+                           "(--tp and --one-launch run contract 1)")
     model = load_model(default_model_path() if args.model is None else args.model)
     if args.ctx is not None and not 0 < args.ctx <= model.hparams.n_ctx_train:
         raise RequestError(f"--ctx must be between 1 and the model's context length "
@@ -322,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                   "docs/benchmarks.md has where it is faster); ignored on cpu and for other models")
     device = "cuda where CuPy sees a GPU, else cpu (auto), or either (default: %(default)s)"
     contract = ("determinism-contract version: 1, or 2 (F32/F16/BF16 products in exact integers, "
-                "docs/determinism.md section 14; not with --tp or --one-launch) (default: %(default)s)")
+                "docs/determinism.md section 14; not with --one-launch, nor with serve --tp) (default: %(default)s)")
 
     k = sub.add_parser("keygen", help="create an Ed25519 signing key")
     k.add_argument("--out", required=True, metavar="KEY.pem",

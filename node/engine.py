@@ -17,8 +17,9 @@ import numpy as np
 
 from attest.digest import CONTRACT_VERSIONS
 
-from .errors import NumericFault, RequestError
-from .gguf_model import Model
+from .errors import ModelError, NumericFault, RequestError
+from .gguf_model import FLOAT_TYPES, Model
+from .reference import MAX_ROWINT_K
 from .rope_table import rope_table
 from .sampler import sample_rows
 from .tp import check_degree
@@ -35,6 +36,15 @@ def check_contract(contract) -> int:
 def default_n_ctx(hp) -> int:
     """Context length in tokens when none is given: the model's training context, at most 8192."""
     return min(hp.n_ctx_train, 8192)
+
+
+def check_rowint_model(model: Model) -> None:
+    """Raise :class:`ModelError` unless every float matrix of ``model`` has
+    ``K <`` :data:`node.reference.MAX_ROWINT_K`, as contract 2's products need
+    (docs/determinism.md section 14)."""
+    for name, t in model.tensors.items():
+        if t.qtype in FLOAT_TYPES and t.rows > 1 and t.cols >= MAX_ROWINT_K:
+            raise ModelError(f"{name}: contract 2 needs float matrices with K < {MAX_ROWINT_K}, got K={t.cols}")
 
 
 class Engine:
@@ -54,7 +64,8 @@ class Engine:
     :class:`~node.backend_cuda.CudaBackend`. Raises :class:`RequestError` for an
     unknown device or contract, ``tp > 1`` on cuda, or contract 2 with ``tp > 1``, a
     rank's backend or ``one_launch``; :class:`ModelError` for a ``tp`` that
-    is not 1, 2, 4 or 8 or that the model's heads cannot be split by.
+    is not 1, 2, 4 or 8 or that the model's heads cannot be split by, and under
+    contract 2 for a float matrix with ``K >= 2^16`` (:func:`check_rowint_model`).
     """
 
     broken = None  # one process: a fault fails its step only (node.tp_runtime.TpEngine can break)
@@ -71,6 +82,8 @@ class Engine:
         if contract == 2 and (tp != 1 or backend is not None or cuda_opts.get("one_launch")):
             raise RequestError("contract 2 runs in one process with per-op kernels "
                                "(tensor parallelism and --one-launch run contract 1)")
+        if contract == 2:
+            check_rowint_model(model)
         if backend is not None:                 # a tensor-parallel rank's backend (node.tp_runtime)
             self.backend = backend
         elif device == "cpu" and tp != 1:

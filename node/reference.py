@@ -181,7 +181,7 @@ def matmul_rowint(xr, w: RowintWeight) -> np.ndarray:
 
     ``xr``: :func:`quantize_rowint` of x ``[M, K]`` with :data:`X_CODE_BITS`;
     ``w``: a :class:`RowintWeight` ``[N, K]``. Every partial sum is an integer
-    below ``K * 2^33 < 2^53``, so the float64 GEMM is exact in any order (its
+    of magnitude at most ``K * 2^33 < 2^53``, so the float64 GEMM is exact in any order (its
     BLAS may use any); the one rounding is the conversion to fp32. Processed in
     row chunks to bound memory. An output whose row of x or of W is not finite
     (exponent :data:`ROWINT_NONFINITE`) is NaN. Returns fp32 ``[M, N]``. Raises

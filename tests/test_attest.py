@@ -695,7 +695,7 @@ def test_canonical_round_trip_and_order_independence(v):
 
 def test_schema_matches_envelope_versions():
     assert schema.FORMAT_VERSION == envelope.FORMAT_VERSION == 1
-    assert schema.CONTRACT_VERSIONS == (1,)
+    assert schema.CONTRACT_VERSIONS == (1, 2)
 
 
 # --------------------------------------------------------------------------

@@ -862,10 +862,10 @@ def test_verify_fails_a_model_description_the_file_contradicts(art, tmp_path, fi
         f"FAIL: the attested model description differs from the model file (fields ['{field}'])"), p.stdout
 
 
-@pytest.mark.parametrize("field,message", [("format_version", "unknown payload format version 2"),
-                                           ("contract_version", "unknown determinism-contract version 2")])
-def test_verify_unknown_payload_versions(art, tmp_path, field, message):
-    p = _payload_with(art, (field,), 2)
+@pytest.mark.parametrize("field,value,message", [("format_version", 2, "unknown payload format version 2"),
+                                                 ("contract_version", 3, "unknown determinism-contract version 3")])
+def test_verify_unknown_payload_versions(art, tmp_path, field, value, message):
+    p = _payload_with(art, (field,), value)
     write(tmp_path / "v.bxa", sign_raw(p, art.private_key()))
     assert message in assert_input_error(bx(tmp_path, "verify", "v.bxa"))
     assert message in assert_input_error(bx(tmp_path, "inspect", "v.bxa"))

@@ -19,7 +19,8 @@ from attest import envelope, keys
 from node import reference as ref
 from node.backend_cuda import pack_rowint_w, pack_rowint_x
 from node.engine import Engine
-from node.errors import RequestError
+from attest.envelope import AttestationError
+from node.errors import ModelError, RequestError
 from node.gguf_model import default_model_path, load_model
 from node.synth import copy_model, write_model
 from test_attest import assert_input_error, bx, sign_raw
@@ -195,6 +196,36 @@ def test_engine_refusals(bf16, kw, needle):
         Engine(bf16, **kw)
 
 
+def test_a_float_matrix_of_k_2_16_is_refused_when_the_engine_is_built(tmp_path):
+    """ffn_down with K = n_ff = 2^16: contract 2 refuses the model up front (not in its
+    first step); contract 1 runs it."""
+    wide = load_model(write_model(str(tmp_path / "wide.gguf"), (64, 1, 2, 1, 1 << 16, 64), "BF16", n_ctx=64))
+    with pytest.raises(ModelError, match="blk.0.ffn_down.weight: contract 2 needs float matrices with K < 65536"):
+        Engine(wide, contract=2)
+    eng = Engine(wide, contract=1)
+    assert np.all(np.isfinite(eng.forward([(eng.new_sequence(), [1, 2])])[0]))
+
+
+def test_decode_rows_refuses_part_of_k_under_contract2(bf16):
+    from node.backend_cpu import decode_rows
+    t = bf16.tensors["blk.0.ffn_down.weight"]
+    whole = decode_rows(t, 0, t.rows, contract=2)
+    assert whole.codes.shape == (t.rows, t.cols)
+    with pytest.raises(ValueError, match="contract 2 decodes whole rows"):
+        decode_rows(t, 0, t.rows, 0, t.cols // 2, contract=2)
+
+
+def test_an_attestation_of_contract2_on_gpu_ranks_is_refused(tmp_path_factory):
+    """The node never runs contract 2 on tensor-parallel ranks, so a payload claiming it is malformed."""
+    from attest.schema import DEVICE_FIELDS, check_payload
+    from test_attest import artifact
+    p = dict(artifact(tmp_path_factory).payload, backend="cuda",
+             device={**{k: "x" for k in DEVICE_FIELDS["cuda"]}, "tensor_parallel": 2})
+    check_payload(dict(p, contract_version=1))
+    with pytest.raises(AttestationError, match="tensor_parallel must be 1 under contract 2"):
+        check_payload(dict(p, contract_version=2))
+
+
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     """The default model with two matrices in BF16 (seeded normals): a model with a
@@ -243,6 +274,10 @@ def test_cli_refuses_contract2_with_tensor_parallelism_and_unknown_versions(bf16
     line = assert_input_error(bx(tmp_path, "serve", "--key", "k.pem", "--model", bf16.path, "--device", "cpu",
                                  "--tp", 2, "--contract", 2, "--port", 0))
     assert "--contract 2 runs in one process" in line
+    for device in ("cpu", "auto"):   # refused on every device, not only where --one-launch applies
+        line = assert_input_error(bx(tmp_path, "run", "--key", "k.pem", "--model", bf16.path, "--prompt", "hi",
+                                     "--device", device, "--contract", 2, "--one-launch"))
+        assert "--contract 2 runs in one process with per-op kernels" in line
     line = assert_input_error(bx(tmp_path, "run", "--key", "k.pem", "--model", bf16.path, "--prompt", "hi",
                                  "--contract", 3))
     assert "--contract" in line
