@@ -195,7 +195,8 @@ def _serve(args, tok, key, engine) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tp = f" (tensor parallel: {args.tp} rank processes{' on as many GPUs' if engine.device == 'cuda' else ''})" \
         if args.tp != 1 else ""
-    banner = (f"bitexact serve: {one_line(node.model_id)} on {engine.device}{tp}, key id {node.key_id}, "
+    contract = f", determinism contract {engine.contract}" if engine.contract != 1 else ""
+    banner = (f"bitexact serve: {one_line(node.model_id)} on {engine.device}{tp}{contract}, key id {node.key_id}, "
               f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{sock.getsockname()[1]}")  # bound port
     app = make_app(node, args.max_body_bytes, args.body_timeout)
     app.on_startup.append(_drain_on_first_signal)

@@ -282,3 +282,38 @@ def test_cli_refuses_contract2_with_tensor_parallelism_and_unknown_versions(bf16
                                  "--contract", 3))
     assert "--contract" in line
     assert sorted(os.listdir(tmp_path)) == ["k.pem", "k.pub.pem"]
+
+
+def test_serve_under_contract2_names_it_and_attests_it(mixed, tmp_path):
+    """``serve --contract 2``: the banner and /v1/node name the contract, and the
+    attestation of a completion records it and verifies by re-execution."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    assert bx(tmp_path, "keygen", "--out", "k.pem").returncode == 0
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "serve", "--key", str(tmp_path / "k.pem"),
+                             "--model", mixed, "--data-dir", str(tmp_path / "data"), "--port", "0",
+                             "--device", "cpu", "--contract", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        banner = proc.stdout.readline()
+        m = re.search(r", determinism contract 2, key id .*(http://127\.0\.0\.1:\d+)\s*$", banner)
+        assert m, banner
+        url = m.group(1)
+        assert json.loads(urllib.request.urlopen(url + "/v1/node", timeout=30).read())["contract_version"] == 2
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(
+            {"model": json.loads(urllib.request.urlopen(url + "/v1/models", timeout=30).read())["data"][0]["id"],
+             "prompt": "The sky is", "max_tokens": 3}).encode(),
+            {"Content-Type": "application/json"})
+        body = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        att = urllib.request.urlopen(f"{url}/v1/attestations/{body['attestation']['id']}", timeout=30).read()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert envelope.open_envelope(att)["contract_version"] == 2
+    (tmp_path / "served.bxa").write_bytes(att)
+    v = bx(tmp_path, "verify", "served.bxa", "--model", mixed, "--json")
+    assert v.returncode == 0 and json.loads(v.stdout)["result"] == "OK", v.stdout + v.stderr
+
