@@ -317,3 +317,22 @@ def test_serve_under_contract2_names_it_and_attests_it(mixed, tmp_path):
     v = bx(tmp_path, "verify", "served.bxa", "--model", mixed, "--json")
     assert v.returncode == 0 and json.loads(v.stdout)["result"] == "OK", v.stdout + v.stderr
 
+
+
+def test_weight_upload_in_threaded_chunks_gives_the_whole_matrix_codes(tmp_path, monkeypatch):
+    """CudaBackend._upload_rowint quantizes row chunks on host threads and packs them in
+    order; run here with numpy standing in for CuPy (the packing is integer array ops),
+    with chunks of 64 rows (the last one partial) on 3 threads: the same packed codes
+    and exponents as the whole matrix quantized at once."""
+    import types
+
+    from node import backend_cuda as bc
+    from node.gguf_model import float_values
+    monkeypatch.setattr(bc, "PACK_ROWS", 64)
+    monkeypatch.setattr(bc, "QUANTIZE_THREADS", 3)
+    model = load_model(write_model(str(tmp_path / "m.gguf"), (64, 1, 2, 1, 96, 1000), "BF16", seed=3))
+    t = model.tensors["output.weight"]
+    mat = bc.CudaBackend._upload_rowint(types.SimpleNamespace(cp=np), t)
+    codes, s = ref.quantize_rowint(float_values(t), ref.W_CODE_BITS)
+    assert mat.data.tobytes() == pack_rowint_w(np, codes.astype(np.int16)).tobytes()
+    assert mat.s.tobytes() == s.tobytes()
