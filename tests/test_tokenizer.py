@@ -312,7 +312,8 @@ def _generation(tok, stops, max_tokens):
 
     from node.generate import Generation
 
-    engine = SimpleNamespace(model=SimpleNamespace(sha256="00" * 32), n_ctx=1 << 20, new_sequence=lambda: 0)
+    engine = SimpleNamespace(model=SimpleNamespace(sha256="00" * 32), n_ctx=1 << 20, contract=1,
+                             new_sequence=lambda: 0)
     return Generation(engine, tok, {"prompt_tokens": [1], "max_tokens": max_tokens, "temperature": 0.0, "top_k": 0,
                                     "top_p": 1.0, "seed": 0, "stop": stops})
 
