@@ -42,6 +42,7 @@ MQ_NIBBLES = ("Q4_0", "Q4_1", "Q4_K")  # weight types whose matmul_q records hol
 MQ_SCALES = 128  # bytes of a record's scale words
 PACK_ROWS = 8192  # rows packed at a time (bounds the packing's temporary memory)
 QUANTIZE_THREADS = min(8, os.cpu_count() or 1)  # host threads quantizing contract 2's weight rows
+QUANTIZE_ELEMS = 1 << 21  # weights per chunk of those threads (about 40 MB of temporaries each)
 MAX_SMEM = 200 * 1024  # dynamic shared memory a kernel may use per block (opted in at load; sm_90 has 227 KiB)
 GRAPH_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512)  # tokens of a step replayed by a graph
 GRAPH_ROWS = (1, 2, 4, 8, 16, 32, 64)  # logits rows (sequences) of a step replayed through a CUDA graph
@@ -572,29 +573,31 @@ class CudaBackend:
 
     def _upload_rowint(self, t) -> Mat:
         """:class:`Mat` of float matrix ``t`` under contract 2: its rows quantized on the host
-        (reference.quantize_rowint, numpy keeps subnormals), :data:`PACK_ROWS` rows at a
-        time on up to :data:`QUANTIZE_THREADS` threads (numpy's loops release the GIL; each
-        row alone, so the split does not change a code), then packed on the GPU
-        (:func:`pack_rowint_w`, integer ops only)."""
+        (reference.quantize_rowint, numpy keeps subnormals) in chunks of whole 16-row tiles
+        of about :data:`QUANTIZE_ELEMS` weights on up to :data:`QUANTIZE_THREADS` threads
+        (numpy's loops release the GIL; each row alone, so the split does not change a
+        code), then packed on the GPU in order (:func:`pack_rowint_w`, integer ops only)."""
         from concurrent.futures import ThreadPoolExecutor
 
         cp = self.cp
         data = cp.empty((-(-t.rows // 16), t.cols // 32, 2, 512), cp.uint8)
         s = np.empty(t.rows, np.int32)
 
+        step = max(16, QUANTIZE_ELEMS // t.cols // 16 * 16)
+
         def quantize(r0):
-            rows = Tensor(t.name, t.qtype, min(PACK_ROWS, t.rows - r0), t.cols, t.raw[r0:r0 + PACK_ROWS])
+            rows = Tensor(t.name, t.qtype, min(step, t.rows - r0), t.cols, t.raw[r0:r0 + step])
             codes, s[r0:r0 + rows.rows] = quantize_rowint(float_values(rows), W_CODE_BITS)
             return codes.astype(np.int16)
 
-        starts = range(0, t.rows, PACK_ROWS)
+        starts = range(0, t.rows, step)
         with ThreadPoolExecutor(min(QUANTIZE_THREADS, len(starts))) as pool:
             pending = [pool.submit(quantize, r0) for r0 in starts[:QUANTIZE_THREADS]]
             for i, r0 in enumerate(starts):   # at most QUANTIZE_THREADS chunks held at once
                 codes = pending[i].result()
                 if i + QUANTIZE_THREADS < len(starts):
                     pending.append(pool.submit(quantize, starts[i + QUANTIZE_THREADS]))
-                data[r0 // 16:r0 // 16 + PACK_ROWS // 16] = pack_rowint_w(cp, cp.asarray(codes))
+                data[r0 // 16:r0 // 16 + step // 16] = pack_rowint_w(cp, cp.asarray(codes))
                 pending[i] = None
         return Mat(data, t.rows, t.qtype, t.cols, s=cp.asarray(s))
 

@@ -328,7 +328,7 @@ def test_weight_upload_in_threaded_chunks_gives_the_whole_matrix_codes(tmp_path,
 
     from node import backend_cuda as bc
     from node.gguf_model import float_values
-    monkeypatch.setattr(bc, "PACK_ROWS", 64)
+    monkeypatch.setattr(bc, "QUANTIZE_ELEMS", 64 * 96)   # 64 rows of K = 96
     monkeypatch.setattr(bc, "QUANTIZE_THREADS", 3)
     model = load_model(write_model(str(tmp_path / "m.gguf"), (64, 1, 2, 1, 96, 1000), "BF16", seed=3))
     t = model.tensors["output.weight"]
