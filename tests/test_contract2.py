@@ -336,3 +336,26 @@ def test_weight_upload_in_threaded_chunks_gives_the_whole_matrix_codes(tmp_path,
     codes, s = ref.quantize_rowint(float_values(t), ref.W_CODE_BITS)
     assert mat.data.tobytes() == pack_rowint_w(np, codes.astype(np.int16)).tobytes()
     assert mat.s.tobytes() == s.tobytes()
+
+
+def test_a_tied_lm_head_of_bf16_embeddings_is_a_contract2_product(tmp_path):
+    """A Q8_0 model whose embeddings (and so its tied LM head) are BF16: the embedding
+    lookup is the same under both contracts, so contract 2 changes only the LM head's
+    product, the last one of each step; the logits differ, and stay close."""
+    import gguf
+    q8 = write_model(str(tmp_path / "q8.gguf"), "tiny", "Q8_0", seed=13, tied=True)
+    rng = np.random.default_rng(14)
+
+    def bf16_embd(name, data, qtype):
+        if name != "token_embd.weight":
+            return None
+        t = load_model(q8).tensors[name]
+        w = rng.standard_normal((t.rows, t.cols)).astype(F32)
+        return (w.view(np.uint32) >> 16).astype(np.uint16), gguf.GGMLQuantizationType.BF16
+
+    tied = load_model(copy_model(q8, str(tmp_path / "tied.gguf"), tensor=bf16_embd))
+    assert tied.tied_output and tied.tensors["token_embd.weight"].qtype == "BF16"
+    toks = list(range(1, 12))
+    one, two = (_all_logits(Engine(tied, contract=c), [[toks]])[0] for c in (1, 2))
+    assert one.tobytes() != two.tobytes()
+    assert np.max(np.abs(one - two)) < 1e-2 * np.max(np.abs(one))
