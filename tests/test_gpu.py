@@ -388,11 +388,13 @@ def test_matmul_rowint_twin(models, backends_c2, qtype, m):
         assert_same(np.where(nan, 0, want), np.where(nan, 0, got), name)   # NaN bits differ by device
 
 
-@pytest.mark.parametrize("shape", ["smollm2", "llama-1b", "llama-8b"])
+@pytest.mark.parametrize("shape,tied", [("smollm2", False), ("smollm2", True), ("llama-1b", False),
+                                        ("llama-8b", False)])
 @pytest.mark.parametrize("qtype", ["BF16", "F16"])
-def test_real_shapes_contract2_equal_reference(tmp_path, shape, qtype):
-    """Contract 2 at real model shapes (first 2 layers): GPU bytes == numpy bytes."""
-    model = load_model(write_model(str(tmp_path / "m.gguf"), shape, qtype, seed=4, n_layer=2))
+def test_real_shapes_contract2_equal_reference(tmp_path, shape, tied, qtype):
+    """Contract 2 at real model shapes (first 2 layers; SmolLM2 also with its LM head
+    tied to the embeddings, as the real model has it): GPU bytes == numpy bytes."""
+    model = load_model(write_model(str(tmp_path / "m.gguf"), shape, qtype, seed=4, n_layer=2, tied=tied))
     toks = list(np.random.default_rng(1).integers(0, model.hparams.n_vocab, 12))
     cpu = step_logits(Engine(model, "cpu", contract=2), toks, 3)
     gpu = step_logits(Engine(model, "cuda", pin=None, kv_pages=16, contract=2), toks, 3)
