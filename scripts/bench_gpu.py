@@ -4,7 +4,8 @@ For each model: decode tokens/s at batch 1, 8, 32, 64 (CUDA-graph replay; the
 step as ``Engine.forward`` returns it, logits copied to the host, and the GPU
 time of the replayed step alone) and
 prefill tokens/s of one 1024-token prompt; GPU memory in use and KV-cache
-capacity. Baselines in the same run, on the same shapes with random bf16 weights:
+capacity; seconds to build the engine (``load_s``: weights uploaded, under
+contract 2 quantized on the host, and kernels loaded). Baselines in the same run, on the same shapes with random bf16 weights:
 (a) HF transformers eager bf16, (b) a plain torch/cuBLAS bf16 forward pass with
 static KV cache and CUDA graphs, (c) the HBM roofline (weight bytes per decode
 step / 4.3 TB/s). Models with F16 or BF16 weights are also timed with
@@ -95,8 +96,10 @@ def bench_bitexact(model, steps: int = 32, one_launch: bool = False, contract: i
 
     from node.engine import Engine
 
+    t0 = time.perf_counter()
     eng = Engine(model, "cuda", n_ctx=2048, pin=None, one_launch=one_launch, contract=contract)
-    out = {}
+    cp.cuda.runtime.deviceSynchronize()
+    out = {"load_s": round(time.perf_counter() - t0, 1)}   # weights uploaded (contract 2: quantized) and kernels loaded
     for b in BATCHES:
         time_decode(eng, b, steps, out)
         out.setdefault("decode_gpu_ms_step", {})[b] = round(graph_replay_ms(eng.backend, b, steps), 3)
