@@ -61,14 +61,15 @@ def _define(name: str, file: str) -> int:
 
 
 def test_launch_constants_mirror_the_sources():
-    """The launch geometry node/backend_cuda.py mirrors by hand equals the kernels' #defines."""
+    """The launch geometry node/backend_cuda.py mirrors by hand, and contract 2's input code
+    width node/reference.py fixes, equal the kernels' #defines."""
     import node.backend_cuda as bc
-    from node.reference import SPLIT_KV
+    from node.reference import SPLIT_KV, X_CODE_BITS
     for name, file, value in (("MQ_TM", "matmul.cu", bc.MQ_TM), ("MQ_ROWS", "matmul.cu", bc.MQ_ROWS),
                               ("MF_WARPS", "matmul.cu", bc.MF_WARPS), ("MF_ROWS", "matmul.cu", bc.MF_ROWS),
                               ("MQ_SLOTS", "matmul.cu", bc.MQ_SLOTS), ("ST_TM", "step.cu", bc.ST_TM),
                               ("ST_WARPS", "step.cu", bc.ST_WARPS), ("ST_OREC", "step.cu", bc.ST_OREC),
-                              ("SPLIT_KV", "common.cuh", SPLIT_KV)):
+                              ("SPLIT_KV", "common.cuh", SPLIT_KV), ("RI_XBITS", "matmul.cu", X_CODE_BITS)):
         assert _define(name, file) == value, f"{file} {name} = {_define(name, file)}, Python has {value}"
 
 
