@@ -146,10 +146,11 @@ class CpuBackend:
         """
         xq, xr, out = None, None, []
         for name in names:
-            if self.model.tensors[name].qtype in FLOAT_TYPES and self.contract == 2:
+            float_weight = self.model.tensors[name].qtype in FLOAT_TYPES
+            if float_weight and self.contract == 2:
                 xr = ref.quantize_rowint(x, ref.X_CODE_BITS) if xr is None else xr
                 out.append(self._product(ref.matmul_rowint, xr, len(x), name))
-            elif self.model.tensors[name].qtype in FLOAT_TYPES:
+            elif float_weight:
                 out.append(self._product(ref.matmul_f, x, len(x), name))
             else:
                 xq = ref.quantize_q8(x) if xq is None else xq

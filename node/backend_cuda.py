@@ -561,9 +561,9 @@ class CudaBackend:
     def _upload(self, t, raw, rows: int, lanes: int = WARP, lane0: int = 0, b_off: int = 0, terms: int = 0) -> Mat:
         """:class:`Mat` of ``raw`` (``rows`` rows of tensor ``t``'s bytes, or a K shard of
         them whose ``terms`` blocks start ``b_off`` blocks into its first super-block)."""
-        raw = np.ascontiguousarray(raw)
         if t.qtype in FLOAT_TYPES and self.contract == 2:   # the whole matrix (contract 2 has no shards)
             return self._upload_rowint(t)
+        raw = np.ascontiguousarray(raw)
         if t.qtype in FLOAT_TYPES:
             elem = raw.view(np.uint32 if ESIZE[t.qtype] == 4 else np.uint16)
             return Mat(self.cp.asarray(lane_major(elem, lane_width(t.cols, ESIZE[t.qtype]), lanes)), rows,
@@ -582,7 +582,6 @@ class CudaBackend:
         cp = self.cp
         data = cp.empty((-(-t.rows // 16), t.cols // 32, 2, 512), cp.uint8)
         s = np.empty(t.rows, np.int32)
-
         step = max(16, QUANTIZE_ELEMS // t.cols // 16 * 16)
 
         def quantize(r0):

@@ -113,13 +113,11 @@ def _float(name):
 def open_engine(args):
     """Model, tokenizer and engine from ``--model``, ``--ctx``, ``--device``, ``--pin``,
     ``--one-launch``, ``--contract`` and (serve) ``--tp``."""
-    from .engine import Engine
+    from .engine import Engine, check_contract
     from .gguf_model import default_model_path, load_model
     from .tokenizer import Tokenizer
 
-    if args.contract != 1 and (getattr(args, "tp", 1) != 1 or getattr(args, "one_launch", False)):
-        raise RequestError("--contract 2 runs in one process with per-op kernels "
-                           "(--tp and --one-launch run contract 1)")
+    check_contract(args.contract, getattr(args, "tp", 1), args.one_launch)   # on every device, before the model loads
     model = load_model(default_model_path() if args.model is None else args.model)
     if args.ctx is not None and not 0 < args.ctx <= model.hparams.n_ctx_train:
         raise RequestError(f"--ctx must be between 1 and the model's context length "
@@ -127,7 +125,7 @@ def open_engine(args):
     tok = Tokenizer(model)
     device = resolve_device(args.device)
     tp = getattr(args, "tp", 1)
-    opts = {"pin": args.pin or None, "one_launch": getattr(args, "one_launch", False)} if device == "cuda" else {}
+    opts = {"pin": args.pin or None, "one_launch": args.one_launch} if device == "cuda" else {}
     if tp != 1:
         from .tp_runtime import TpEngine
         return model, tok, TpEngine(model, tp, n_ctx=args.ctx, device=device, **opts)

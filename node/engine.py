@@ -25,11 +25,16 @@ from .sampler import sample_rows
 from .tp import check_degree
 
 
-def check_contract(contract) -> int:
+def check_contract(contract, tp: int = 1, one_launch: bool = False, rank: bool = False) -> int:
     """Return ``contract`` if it is a version of ``attest.digest.CONTRACT_VERSIONS`` (an
-    ``int``); raise :class:`RequestError` otherwise."""
+    ``int``) that runs with tensor-parallel degree ``tp``, ``one_launch`` and (``rank``)
+    a tensor-parallel rank's backend: contract 2 runs in one process on the per-op
+    kernels (docs/determinism.md section 14). Raises :class:`RequestError` otherwise."""
     if type(contract) is not int or contract not in CONTRACT_VERSIONS:
         raise RequestError(f"determinism-contract version must be one of {CONTRACT_VERSIONS}, got {contract!r}")
+    if contract == 2 and (tp != 1 or one_launch or rank):
+        raise RequestError("--contract 2 runs in one process with per-op kernels "
+                           "(--tp and --one-launch run contract 1)")
     return contract
 
 
@@ -78,10 +83,7 @@ class Engine:
             raise RequestError(f"the context length must be an integer in [1, 2**20], got {n_ctx!r}")
         self.n_ctx = n_ctx or default_n_ctx(hp)
         check_degree(tp)
-        self.contract = check_contract(contract)
-        if contract == 2 and (tp != 1 or backend is not None or cuda_opts.get("one_launch")):
-            raise RequestError("contract 2 runs in one process with per-op kernels "
-                               "(tensor parallelism and --one-launch run contract 1)")
+        self.contract = check_contract(contract, tp, bool(cuda_opts.get("one_launch")), backend is not None)
         if contract == 2:
             check_rowint_model(model)
         if backend is not None:                 # a tensor-parallel rank's backend (node.tp_runtime)

@@ -70,7 +70,8 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
         req = Request(prompt=rec["prompt"] if rec["mode"] == "prompt" else None, messages=rec["messages"],
                       max_tokens=rec["max_tokens"], params=params_of(rec), stop=list(rec["stop"]))
         rebuilt = build_request(req, tok, rec["n_ctx"])
-        engine = Engine(model, device=device, n_ctx=rec["n_ctx"], contract=payload["contract_version"]) if rebuilt == rec else None
+        engine = (Engine(model, device=device, n_ctx=rec["n_ctx"], contract=payload["contract_version"])
+                  if rebuilt == rec else None)
     except LimitError as e:   # this machine's limit, not the request's fault: nothing is concluded
         raise BitexactError(f"cannot rebuild the attested request on this machine: {e}") from None
     except RequestError as e:
