@@ -6,7 +6,7 @@ import datetime
 import math
 import re
 
-from node.errors import AttestationError
+from node.errors import AttestationError, RequestError
 from node.tp import TP_DEGREES
 
 from .digest import CONTRACT_VERSIONS
@@ -113,8 +113,11 @@ def check_payload(p) -> None:
     if p["backend"] not in DEVICE_FIELDS:
         raise AttestationError(f"unknown backend {p['backend']!r}")
     _check_device(p["device"], p["backend"])
-    if p["contract_version"] == 2 and p["device"].get("tensor_parallel", 1) != 1:
-        raise AttestationError("field device.tensor_parallel must be 1 under contract 2 (it runs in one process)")
+    from node.engine import check_contract   # the node's rule of which versions run on ranks
+    try:
+        check_contract(p["contract_version"], p["device"].get("tensor_parallel", 1))
+    except RequestError as e:
+        raise AttestationError(f"field device.tensor_parallel: {e}") from None
     try:  # RFC 3339, UTC, whole seconds: the form node/provenance.py writes (strptime alone takes 2024-1-1)
         if not TIMESTAMP.fullmatch(p["timestamp"]):
             raise ValueError

@@ -226,7 +226,7 @@ def test_an_attestation_of_contract2_on_gpu_ranks_is_refused(tmp_path_factory):
     p = dict(artifact(tmp_path_factory).payload, backend="cuda",
              device={**{k: "x" for k in DEVICE_FIELDS["cuda"]}, "tensor_parallel": 2})
     check_payload(dict(p, contract_version=1))
-    with pytest.raises(AttestationError, match="tensor_parallel must be 1 under contract 2"):
+    with pytest.raises(AttestationError, match="tensor_parallel: --contract 2 runs in one process"):
         check_payload(dict(p, contract_version=2))
 
 
