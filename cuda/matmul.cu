@@ -554,141 +554,241 @@ matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
 // input codes (|cx| <= 2^20) three, cx = 2^14 xh + 2^7 xm + xl. Slice products of one
 // weight 2^(7j) share an int32 accumulator (j = 0 .. 3), each below 2^31 for K < 2^16
 // (the launcher's check), so every MMA sum is exact and any split of K or of the tokens
-// gives the same I. Layouts (a permutation, node/backend_cuda.py pack_rowint_w and
-// pack_rowint_x): weights per 16-row tile rt, k-step kk (32 elements) and slice s as the
-// 512 bytes of the m16n8k32 A fragments in lane order (record (rt * KS + kk) * 2 + s);
-// inputs per 8-token tile tt, k-step kk and slice s as the 256 bytes of the B fragments
-// (record (tt * KS + kk) * 3 + s), tokens past M zero. A row with a value that is not
-// finite has exponent RI_NONFINITE and zero codes; its outputs are NaN (a fault).
-#define RI_WARPS 8       // warps per block; each takes a contiguous share of the k-steps
-#define RI_NT 2          // 8-token tiles per block (16 tokens per pass over the weights)
-#define RI_RW 2          // 16-row tiles per warp (each input fragment load serves both)
+// gives the same I. Both operands are laid out in memory as wgmma reads them from shared
+// memory (K-major core matrices of 8 rows x 16 bytes, no swizzle; node/backend_cuda.py
+// pack_rowint_w and pack_rowint_x): weights per 64-row group rg, k-step kk (32 elements)
+// and slice s as 2048 bytes, row r and element e at (r / 8) 256 + (e / 16) 128 +
+// (r % 8) 16 + e % 16 (record (rg * KS + kk) * 2 + s, rows past N zero); inputs per 8-token
+// tile tt, k-step and slice as 256 bytes, token t at (e / 16) 128 + 16 t + e % 16 (record
+// (tt * KS + kk) * 3 + s, tokens past M zero). A row with a value that is not finite has
+// exponent RI_NONFINITE and zero codes; its outputs are NaN (a fault).
+#ifndef RI_S
+#define RI_S 8           // blocks per cluster: block r adds k-steps [r KS / RI_S, (r + 1) KS / RI_S)
+#endif
+#define RI_NT 4          // 8-token tiles per pass (32 tokens; wgmma N is 8 x the pass's live tiles)
+#ifndef RI_CH
+#define RI_CH 4          // k-steps per shared-memory stage
+#endif
+#ifndef RI_STAGES
+#define RI_STAGES 2      // stages in the ring (RI_STAGES - 1 in flight while one is read)
+#endif
+#define RI_QT 512        // quantize_rowint's threads per token
+#ifndef RI_MINB
+#define RI_MINB 1        // matmul_rowint's __launch_bounds__ minimum blocks per multiprocessor
+#endif
 #define RI_XBITS 19      // node/reference.py X_CODE_BITS
 #define RI_NONFINITE (1 << 30)  // node/reference.py ROWINT_NONFINITE
-extern "C" __constant__ int bx_ri_geometry[3] = {RI_NT * 8, RI_RW * 16, RI_NONFINITE};  // read by node/backend_cuda.py
+#define RI_WREC 2048                    // weight bytes of one group, k-step and slice
+#define RI_XREC (RI_NT * 256)           // input bytes of one pass, k-step and slice in a stage
+#define RI_STAGE (RI_CH * (2 * RI_WREC + 3 * RI_XREC))  // bytes of one stage: weights, then inputs
+// tokens per pass, rows per cluster, blocks per cluster, RI_NONFINITE, matmul_rowint's dynamic
+// shared memory bytes per block, quantize_rowint's threads: read by node/backend_cuda.py
+extern "C" __constant__ int bx_ri_geometry[6] = {RI_NT * 8, 64, RI_S, RI_NONFINITE, RI_STAGES * RI_STAGE, RI_QT};
 
-// D[16 x 8] (s32) += A[16 x 32] (s8, rows) * B[32 x 8] (s8, columns), one warp; exact.
-__device__ __forceinline__ void bx_mma_s8_acc(const unsigned int* a, unsigned int b0, unsigned int b1, int* d) {
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// wgmma descriptor of a K-major, unswizzled B operand at shared address a: 8 x 16-byte
+// core matrices, k-halves 128 bytes apart, 8-token groups 256 (PTX ISA, "Matrix
+// Descriptor Format": start, leading and stride byte offsets in 16-byte units).
+__device__ __forceinline__ unsigned long long bx_ri_desc(unsigned int a) {
+    return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)(128 >> 4) << 16) |
+           ((unsigned long long)(256 >> 4) << 32);
 }
 
-// 16 weight bytes no other access of the launch reads: past L1 (as BxChunk).
-__device__ __forceinline__ uint4 bx_ld_stream(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
+// D[64 x 8 NT] (s32) += A[64 x 32] (s8) * B[32 x 8 NT] (s8), both in shared memory
+// (descriptors), one warpgroup; exact. Asynchronous: the caller fences, commits and waits
+// (PTX ISA wgmma.mma_async).
+template <int NT> __device__ __forceinline__ void bx_wgmma_s8(int* d, unsigned long long a, unsigned long long b);
+#define BX_WG_AB "l"(a), "l"(b), "r"(1)
+#define BX_WG_D4(i) "+r"(d[i]), "+r"(d[i + 1]), "+r"(d[i + 2]), "+r"(d[i + 3])
+template <> __device__ __forceinline__ void bx_wgmma_s8<1>(int* d, unsigned long long a, unsigned long long b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\nwgmma.mma_async.sync.aligned.m64n8k32.s32.s8.s8 "
+                 "{%0, %1, %2, %3}, %4, %5, p;\n}" : BX_WG_D4(0) : BX_WG_AB : "memory");
+}
+template <> __device__ __forceinline__ void bx_wgmma_s8<2>(int* d, unsigned long long a, unsigned long long b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\nwgmma.mma_async.sync.aligned.m64n16k32.s32.s8.s8 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p;\n}" : BX_WG_D4(0), BX_WG_D4(4) : BX_WG_AB : "memory");
+}
+template <> __device__ __forceinline__ void bx_wgmma_s8<3>(int* d, unsigned long long a, unsigned long long b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %14, 0;\nwgmma.mma_async.sync.aligned.m64n24k32.s32.s8.s8 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, %12, %13, p;\n}"
+                 : BX_WG_D4(0), BX_WG_D4(4), BX_WG_D4(8) : BX_WG_AB : "memory");
+}
+template <> __device__ __forceinline__ void bx_wgmma_s8<4>(int* d, unsigned long long a, unsigned long long b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\nwgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p;\n}"
+                 : BX_WG_D4(0), BX_WG_D4(4), BX_WG_D4(8), BX_WG_D4(12) : BX_WG_AB : "memory");
+}
+#undef BX_WG_AB
+#undef BX_WG_D4
+template <int N> __device__ __forceinline__ void bx_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
-// ---- quantize_rowint: one block of 256 threads per token (tokens past M write zero codes) ----
-extern "C" __global__ void __launch_bounds__(256) quantize_rowint(const float* __restrict__ x,
-                                                                  unsigned char* __restrict__ px, int* __restrict__ sx,
-                                                                  int M, int K) {
-    __shared__ float red[8];
-    int m = blockIdx.x, KS = K >> 5;
+// ---- quantize_rowint: one block of RI_QT threads per token (tokens past M write zero codes);
+// each thread takes whole 16-element k-halves: four 16-byte loads, three 16-byte stores ----
+extern "C" __global__ void __launch_bounds__(RI_QT) quantize_rowint(const float* __restrict__ x,
+                                                                    unsigned char* __restrict__ px,
+                                                                    int* __restrict__ sx, int M, int K) {
+    __shared__ float red[RI_QT / 32];
+    int m = blockIdx.x, KS = K >> 5, H = K >> 4;
+    const float4* xv = reinterpret_cast<const float4*>(x + (size_t)min(m, M - 1) * K);  // rows are 128-byte multiples
     bx_pdl_wait();
     const float inf = __int_as_float(0x7f800000);
     float amax = 0.0f;  // max |x| (exact in any order); NaN counts as +inf
     if (m < M)
-        for (int k = threadIdx.x; k < K; k += blockDim.x) {
-            float v = fabsf(x[(size_t)m * K + k]);
-            amax = fmaxf(amax, v != v ? inf : v);
-        }
+        for (int h = threadIdx.x; h < H; h += RI_QT)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float4 v = xv[h * 4 + j];
+                float e[4] = {fabsf(v.x), fabsf(v.y), fabsf(v.z), fabsf(v.w)};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) amax = fmaxf(amax, e[i] != e[i] ? inf : e[i]);
+            }
 #pragma unroll
     for (int off = 16; off; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(BX_FULL, amax, off));
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
     __syncthreads();
     amax = red[0];
-    for (int i = 1; i < (int)(blockDim.x >> 5); ++i) amax = fmaxf(amax, red[i]);
-    bool bad = amax == inf;
+    for (int i = 1; i < RI_QT / 32; ++i) amax = fmaxf(amax, red[i]);
+    bool bad = amax == inf, live = m < M && !bad;
     int s = bad ? RI_NONFINITE : amax > 0.0f ? ilogbf(amax) - RI_XBITS : 0;
     if (m < M && threadIdx.x == 0) sx[m] = s;
     double f = __longlong_as_double((long long)(1023 - (bad ? 0 : s)) << 52);  // 2^-s, exact
-    int tt = m >> 3, gid = m & 7;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        int c = m < M && !bad ? __double2int_rn((double)x[(size_t)m * K + k] * f) : 0;
-        int kk = k >> 5, kr = k & 31, lane = gid * 4 + ((kr & 15) >> 2);
-        size_t o = (size_t)(tt * KS + kk) * 3 * 256 + lane * 8 + (kr >> 4) * 4 + (kr & 3);
-        px[o] = (unsigned char)(c & 127);
-        px[o + 256] = (unsigned char)((c >> 7) & 127);
-        px[o + 512] = (unsigned char)(c >> 14);
+    for (int h = threadIdx.x; h < H; h += RI_QT) {
+        unsigned int lo[4], mid[4], hi[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float4 v = live ? xv[h * 4 + j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            float e[4] = {v.x, v.y, v.z, v.w};
+            lo[j] = mid[j] = hi[j] = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                int c = __double2int_rn((double)e[i] * f);
+                lo[j] |= (unsigned int)(c & 127) << (8 * i);
+                mid[j] |= (unsigned int)((c >> 7) & 127) << (8 * i);
+                hi[j] |= (unsigned int)((c >> 14) & 255) << (8 * i);
+            }
+        }
+        uint4* o = reinterpret_cast<uint4*>(px + (size_t)((m >> 3) * KS + (h >> 1)) * 3 * 256 + (h & 1) * 128 + (m & 7) * 16);
+        o[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        o[16] = make_uint4(mid[0], mid[1], mid[2], mid[3]);
+        o[32] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
     }
 }
 
-// ---- matmul_rowint: block (token pass, row group) computes RI_RW row tiles of 16 rows by
-// RI_NT * 8 tokens; warp w adds k-steps kk in [w KS / RI_WARPS, (w + 1) KS / RI_WARPS) of
-// every tile; the warps' int64 partials meet in shared memory (exact), then each output
-// is scaled once. Tiles past the matrix read its last tile (their outputs are not stored).
-extern "C" __global__ void __launch_bounds__(32 * RI_WARPS) matmul_rowint(
-    const uint4* __restrict__ pw, const int* __restrict__ sw, const uint2* __restrict__ px,
-    const int* __restrict__ sx, float* __restrict__ y, int M, int N, int K) {
-    __shared__ long long part[RI_WARPS][16][RI_NT * 8];
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, KS = K >> 5, rt0 = blockIdx.y * RI_RW;
-    int tt0 = blockIdx.x * RI_NT, nt = min(RI_NT, ((M + 7) >> 3) - tt0), NT = (N + 15) >> 4;
-    int k0 = w * KS / RI_WARPS, k1 = (w + 1) * KS / RI_WARPS;
-    const uint4* wp[RI_RW];
+// ---- matmul_rowint: a cluster of RI_S blocks (one warpgroup each) computes 64 rows (group
+// rg) by one pass of up to RI_NT * 8 tokens; block r adds its share of the k-steps with
+// wgmma from a ring of RI_STAGES shared-memory stages that cp.async fills RI_STAGES - 1
+// ahead, the blocks' int64 partials meet through distributed shared memory (exact), and
+// block r scales every RI_S-th output once.
+__device__ __forceinline__ void bx_cp16(unsigned int dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+template <int NT>
+__device__ __forceinline__ void bx_matmul_rowint_t(const unsigned char* __restrict__ wg, const int* __restrict__ sw,
+                                                   const unsigned char* __restrict__ px, const int* __restrict__ sx,
+                                                   float* __restrict__ y, int M, int N, int KS, int rank, int row0,
+                                                   int tt0, unsigned char* smem) {
+    int tid = threadIdx.x, k0 = rank * KS / RI_S, n = (rank + 1) * KS / RI_S - k0, nst = (n + RI_CH - 1) / RI_CH;
+    unsigned int sbase = (unsigned int)__cvta_generic_to_shared(smem);
+    int acc[4][NT * 4];
 #pragma unroll
-    for (int r = 0; r < RI_RW; ++r) wp[r] = pw + (size_t)min(rt0 + r, NT - 1) * KS * 2 * 32 + lane;
-    if (k0 < k1) bx_prefetch_l2(wp[0] + (size_t)k0 * 64);  // while the previous kernel finishes
-    bx_pdl_wait();
-    int acc[RI_RW][RI_NT][4][4];
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int r = 0; r < RI_RW; ++r)
-#pragma unroll
-        for (int t = 0; t < RI_NT; ++t)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[r][t][j][i] = 0;
-#pragma unroll 4
-    for (int kk = k0; kk < k1; ++kk) {
-        unsigned int al[RI_RW][4], ah[RI_RW][4];
-#pragma unroll
-        for (int r = 0; r < RI_RW; ++r) {
-            uint4 wl = bx_ld_stream(wp[r] + (size_t)kk * 64), wh = bx_ld_stream(wp[r] + (size_t)kk * 64 + 32);
-            al[r][0] = wl.x, al[r][1] = wl.y, al[r][2] = wl.z, al[r][3] = wl.w;
-            ah[r][0] = wh.x, ah[r][1] = wh.y, ah[r][2] = wh.z, ah[r][3] = wh.w;
-        }
-#pragma unroll
-        for (int t = 0; t < RI_NT; ++t) {
-            if (t >= nt) break;
-            const uint2* xp = px + ((size_t)((tt0 + t) * KS + kk) * 3) * 32 + lane;
-            uint2 xl = __ldg(xp), xm = __ldg(xp + 32), xh = __ldg(xp + 64);
-#pragma unroll
-            for (int r = 0; r < RI_RW; ++r) {
-                bx_mma_s8_acc(al[r], xl.x, xl.y, acc[r][t][0]);  // 2^0
-                bx_mma_s8_acc(al[r], xm.x, xm.y, acc[r][t][1]);  // 2^7
-                bx_mma_s8_acc(ah[r], xl.x, xl.y, acc[r][t][1]);
-                bx_mma_s8_acc(al[r], xh.x, xh.y, acc[r][t][2]);  // 2^14
-                bx_mma_s8_acc(ah[r], xm.x, xm.y, acc[r][t][2]);
-                bx_mma_s8_acc(ah[r], xh.x, xh.y, acc[r][t][3]);  // 2^21
+        for (int i = 0; i < NT * 4; ++i) acc[j][i] = 0;
+    auto stage = [&](int st) {  // k-steps k0 + st RI_CH .. into slot st % RI_STAGES; one cp.async group
+        if (st < nst) {
+            int c = min(RI_CH, n - st * RI_CH), kk0 = k0 + st * RI_CH;
+            unsigned int dst = sbase + (st % RI_STAGES) * RI_STAGE, dx = dst + RI_CH * 2 * RI_WREC;
+            const unsigned char* src = wg + (size_t)kk0 * 2 * RI_WREC;  // the group's records are contiguous
+            for (int p = tid; p < c * 2 * RI_WREC / 16; p += 128) bx_cp16(dst + p * 16, src + p * 16);
+            for (int p = tid; p < c * 3 * NT * 16; p += 128) {
+                int q = p & 15, t = (p >> 4) % NT, r = (p >> 4) / NT;  // r = k-step in stage * 3 + slice
+                bx_cp16(dx + r * RI_XREC + t * 256 + q * 16,
+                        px + ((size_t)((tt0 + t) * KS + kk0 + r / 3) * 3 + r % 3) * 256 + q * 16);
             }
         }
-    }
-    int gid = lane >> 2, tig = lane & 3;
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
 #pragma unroll
-    for (int r = 0; r < RI_RW; ++r) {  // the warps' partials of row tile r meet in shared memory
-        if (r) __syncthreads();
+    for (int st = 0; st < RI_STAGES - 1; ++st) stage(st);
+    for (int st = 0; st < nst; ++st) {
+        asm volatile("cp.async.wait_group %0;\nfence.proxy.async.shared::cta;" ::"n"(RI_STAGES - 2) : "memory");
+        bx_wgmma_wait<0>();
+        __syncthreads();  // stage st is in; every warp is done with the slot stage st - 1 used
+        stage(st + RI_STAGES - 1);
+        unsigned int a = sbase + (st % RI_STAGES) * RI_STAGE, b = a + RI_CH * 2 * RI_WREC;
+        int c = min(RI_CH, n - st * RI_CH);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-        for (int t = 0; t < RI_NT; ++t)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                part[w][gid + 8 * (i >> 1)][8 * t + 2 * tig + (i & 1)] =
-                    (long long)acc[r][t][0][i] + ((long long)acc[r][t][1][i] << 7) +
-                    ((long long)acc[r][t][2][i] << 14) + ((long long)acc[r][t][3][i] << 21);
-        __syncthreads();
-        for (int o = threadIdx.x; o < 16 * RI_NT * 8; o += blockDim.x) {
-            int rr = o / (RI_NT * 8), c = o % (RI_NT * 8), m = tt0 * 8 + c, n = (rt0 + r) * 16 + rr;
-            if (m >= M || n >= N) continue;
-            long long I = 0;
-#pragma unroll
-            for (int v = 0; v < RI_WARPS; ++v) I += part[v][rr][c];
-            int a = sx[m], b = sw[n];  // finite rows: |a + b| < 400, so 2^(a + b) is a normal double
-            y[(size_t)m * N + n] = a == RI_NONFINITE || b == RI_NONFINITE
-                ? __int_as_float(0x7fffffff)
-                : __double2float_rn((double)I * __longlong_as_double((long long)(1023 + a + b) << 52));
+        for (int kl = 0; kl < RI_CH; ++kl) {
+            if (kl >= c) break;
+            unsigned int wa = a + kl * 2 * RI_WREC, xb = b + kl * 3 * RI_XREC;
+            bx_wgmma_s8<NT>(acc[0], bx_ri_desc(wa), bx_ri_desc(xb));                           // 2^0:  wl xl
+            bx_wgmma_s8<NT>(acc[1], bx_ri_desc(wa), bx_ri_desc(xb + RI_XREC));                 // 2^7:  wl xm
+            bx_wgmma_s8<NT>(acc[1], bx_ri_desc(wa + RI_WREC), bx_ri_desc(xb));                 //       wh xl
+            bx_wgmma_s8<NT>(acc[2], bx_ri_desc(wa), bx_ri_desc(xb + 2 * RI_XREC));             // 2^14: wl xh
+            bx_wgmma_s8<NT>(acc[2], bx_ri_desc(wa + RI_WREC), bx_ri_desc(xb + RI_XREC));       //       wh xm
+            bx_wgmma_s8<NT>(acc[3], bx_ri_desc(wa + RI_WREC), bx_ri_desc(xb + 2 * RI_XREC));   // 2^21: wh xh
         }
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     }
+    bx_wgmma_wait<0>();
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < NT * 4; ++i) asm volatile("" : "+r"(acc[j][i])::"memory");
+    __syncthreads();  // the stages are no longer read: they hold this block's partials [64][RI_NT * 8]
+    long long* part = reinterpret_cast<long long*>(smem);
+    int lane = tid & 31, w = tid >> 5, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            part[(16 * w + g + 8 * (i >> 1)) * (RI_NT * 8) + 8 * j + 2 * t4 + (i & 1)] =
+                (long long)acc[0][4 * j + i] + ((long long)acc[1][4 * j + i] << 7) +
+                ((long long)acc[2][4 * j + i] << 14) + ((long long)acc[3][4 * j + i] << 21);
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    for (int o = tid + 128 * rank; o < 64 * NT * 8; o += 128 * RI_S) {
+        int r = o / (NT * 8), c = o % (NT * 8), m = tt0 * 8 + c, nr = row0 + r;
+        if (m >= M || nr >= N) continue;
+        unsigned int at = sbase + (r * (RI_NT * 8) + c) * 8;
+        long long I = 0;
+#pragma unroll
+        for (int q = 0; q < RI_S; ++q) {  // every block's partial of this output, through its shared memory
+            unsigned int rq;
+            long long v;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rq) : "r"(at), "r"(q));
+            asm volatile("ld.shared::cluster.s64 %0, [%1];" : "=l"(v) : "r"(rq) : "memory");
+            I += v;
+        }
+        int a = sx[m], bs = sw[nr];  // finite rows: |a + bs| < 400, so 2^(a + bs) is a normal double
+        y[(size_t)m * N + nr] = a == RI_NONFINITE || bs == RI_NONFINITE
+            ? __int_as_float(0x7fffffff)
+            : __double2float_rn((double)I * __longlong_as_double((long long)(1023 + a + bs) << 52));
+    }
+    // no block leaves while another may still read its shared memory
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Grid: x = RI_S * (64-row groups) * passes (cluster rank fastest, then pass, then row
+// group: the passes over one group run close together and share its weights in L2).
+// Dynamic shared memory: RI_STAGES * RI_STAGE bytes.
+extern "C" __global__ void __cluster_dims__(RI_S, 1, 1) __launch_bounds__(128, RI_MINB) matmul_rowint(
+    const unsigned char* __restrict__ pw, const int* __restrict__ sw, const unsigned char* __restrict__ px,
+    const int* __restrict__ sx, float* __restrict__ y, int M, int N, int K) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    int passes = (M + RI_NT * 8 - 1) / (RI_NT * 8), rank = blockIdx.x % RI_S, pass = blockIdx.x / RI_S % passes;
+    int rg = blockIdx.x / RI_S / passes, KS = K >> 5, tt0 = pass * RI_NT;
+    int nt = min(RI_NT, ((M + 7) >> 3) - tt0);
+    const unsigned char* wg = pw + (size_t)rg * KS * 2 * RI_WREC;
+    int k0 = rank * KS / RI_S, k1 = (rank + 1) * KS / RI_S;
+    for (int o = threadIdx.x * 128; o < min(k1 - k0, RI_CH * (RI_STAGES - 1)) * 2 * RI_WREC; o += 128 * 128)
+        bx_prefetch_l2(wg + (size_t)k0 * 2 * RI_WREC + o);  // while the previous kernel finishes
+    bx_pdl_wait();
+    if (nt == 4) bx_matmul_rowint_t<4>(wg, sw, px, sx, y, M, N, KS, rank, rg * 64, tt0, smem);
+    else if (nt == 3) bx_matmul_rowint_t<3>(wg, sw, px, sx, y, M, N, KS, rank, rg * 64, tt0, smem);
+    else if (nt == 2) bx_matmul_rowint_t<2>(wg, sw, px, sx, y, M, N, KS, rank, rg * 64, tt0, smem);
+    else bx_matmul_rowint_t<1>(wg, sw, px, sx, y, M, N, KS, rank, rg * 64, tt0, smem);
 }

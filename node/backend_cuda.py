@@ -158,32 +158,33 @@ def pack_q(xp, qtype: str, raw, b_off: int = 0, terms: int = 0):
 
 def pack_rowint_w(xp, codes):
     """matmul_rowint's layout of weight codes (integer ``[N, K]``, ``|c| <= 2^13``,
-    K % 32 == 0; numpy or CuPy as ``xp``): per 16-row tile (rows past N zero) and
+    K % 32 == 0; numpy or CuPy as ``xp``): per 64-row group (rows past N zero) and
     32-element k-step, the low slice ``c & 127`` then the high slice ``c >> 7``
-    (``c = 128 * high + low``), each the 512 bytes of the mma.sync m16n8k32 A
-    fragments in lane order (lane ``4 g + t``: rows ``g`` and ``g + 8`` at elements
-    ``4 t .. 4 t + 3``, then ``16 + 4 t ..``). Only bytes move (integer ops).
-    Returns uint8 ``[ceil(N/16), K/32, 2, 512]``."""
+    (``c = 128 * high + low``), each 2048 bytes in wgmma's K-major core matrices
+    without swizzle (PTX ISA, "Shared Memory Matrix Layout"): row ``r`` of the group
+    and element ``e`` at byte ``256 (r // 8) + 128 (e // 16) + 16 (r % 8) + e % 16``.
+    Only bytes move (integer ops). Returns uint8 ``[ceil(N/64), K/32, 2, 2048]``."""
     n, k = codes.shape
-    t = -(-n // 16)
-    c = xp.zeros((t * 16, k), xp.int32)
+    g = -(-n // 64)
+    c = xp.zeros((g * 64, k), xp.int32)
     c[:n] = codes
-    out = [sl.astype(xp.int8).reshape(t, 2, 8, k // 32, 2, 4, 4)   # tile, row half, g, kk, k half, t, byte
-           .transpose(0, 3, 2, 5, 4, 1, 6).reshape(t, k // 32, 512) for sl in (c & 127, c >> 7)]
+    out = [sl.astype(xp.int8).reshape(g, 8, 8, k // 32, 2, 16)   # group, row // 8, row % 8, kk, k half, byte
+           .transpose(0, 3, 1, 4, 2, 5).reshape(g, k // 32, 2048) for sl in (c & 127, c >> 7)]
     return xp.stack(out, axis=2).view(xp.uint8)
 
 
 def pack_rowint_x(codes: np.ndarray) -> np.ndarray:
     """The layout quantize_rowint writes input codes in (integer ``[M, K]``, ``|c| <= 2^20``):
     per 8-token tile and k-step, the slices ``c & 127``, ``(c >> 7) & 127``, ``c >> 14``,
-    each the 256 bytes of the m16n8k32 B fragments in lane order (lane ``4 g + t``:
-    token ``g`` at elements ``4 t .. 4 t + 3``, then ``16 + 4 t ..``); tokens past M
-    zero. Returns uint8 ``[ceil(M/8), K/32, 3, 256]`` (what the GPU tests compare)."""
+    each 256 bytes in wgmma's K-major core matrices (PTX ISA, "Shared Memory Matrix
+    Layout"): k-half ``h``, token ``t`` of the tile and element ``e`` at byte
+    ``128 h + 16 t + e``; tokens past M zero. Returns uint8 ``[ceil(M/8), K/32, 3, 256]``
+    (what the GPU tests compare)."""
     m, k = codes.shape
     mp = -(-m // 8) * 8
     c = np.zeros((mp, k), np.int32)
     c[:m] = codes
-    out = [s.astype(np.int8).reshape(mp // 8, 8, k // 32, 2, 4, 4).transpose(0, 2, 1, 4, 3, 5)
+    out = [s.astype(np.int8).reshape(mp // 8, 8, k // 32, 2, 16).transpose(0, 2, 3, 1, 4)
            .reshape(mp // 8, k // 32, 256) for s in (c & 127, (c >> 7) & 127, c >> 14)]
     return np.stack(out, axis=2).view(np.uint8)
 
@@ -452,7 +453,7 @@ class CudaBackend:
         if pin and self.gpu_name != pin:
             raise GpuError(f"this node is pinned to {pin!r} but the GPU is {self.gpu_name!r} (use --pin to change)")
         if (props["major"], props["minor"]) != (9, 0):
-            raise GpuError(f"kernels are built for sm_90; {self.gpu_name} is compute capability {self.cc}")
+            raise GpuError(f"kernels are built for sm_90a (Hopper); {self.gpu_name} is compute capability {self.cc}")
         self.model, self.hp = model, model.hparams
         try:
             mods = load_modules(cp)
@@ -471,7 +472,9 @@ class CudaBackend:
             (self.rn_threads,) = module_ints(mods["norm.cu"], "bx_rn_threads")
             self.mq_warp_smem = module_ints(mods["matmul.cu"], "bx_mq_warp_smem", len(QTYPE_IDS))
             (self.mq_lane_smem,) = module_ints(mods["matmul.cu"], "bx_mq_lane_smem")
-            self.ri_tokens, self.ri_rows, nonfinite = module_ints(mods["matmul.cu"], "bx_ri_geometry", 3)
+            self.ri_tokens, self.ri_rows, self.ri_cluster, nonfinite, self.ri_smem, self.ri_qt = module_ints(
+                mods["matmul.cu"], "bx_ri_geometry", 6)
+            self.k["matmul_rowint"].max_dynamic_shared_size_bytes = self.ri_smem
             if nonfinite != ROWINT_NONFINITE:
                 raise GpuError(f"cuda/matmul.cu RI_NONFINITE is {nonfinite}, node/reference.py {ROWINT_NONFINITE}")
             # Float matrices are kept lane-major for matmul_f (token_embd stays
@@ -573,16 +576,16 @@ class CudaBackend:
 
     def _upload_rowint(self, t) -> Mat:
         """:class:`Mat` of float matrix ``t`` under contract 2: its rows quantized on the host
-        (reference.quantize_rowint, numpy keeps subnormals) in chunks of whole 16-row tiles
+        (reference.quantize_rowint, numpy keeps subnormals) in chunks of whole 64-row groups
         of about :data:`QUANTIZE_ELEMS` weights on up to :data:`QUANTIZE_THREADS` threads
         (numpy's loops release the GIL; each row alone, so the split does not change a
         code), then packed on the GPU in order (:func:`pack_rowint_w`, integer ops only)."""
         from concurrent.futures import ThreadPoolExecutor
 
         cp = self.cp
-        data = cp.empty((-(-t.rows // 16), t.cols // 32, 2, 512), cp.uint8)
+        data = cp.empty((-(-t.rows // 64), t.cols // 32, 2, 2048), cp.uint8)
         s = np.empty(t.rows, np.int32)
-        step = max(16, QUANTIZE_ELEMS // t.cols // 16 * 16)
+        step = max(64, QUANTIZE_ELEMS // t.cols // 64 * 64)
 
         def quantize(r0):
             rows = Tensor(t.name, t.qtype, min(step, t.rows - r0), t.cols, t.raw[r0:r0 + step])
@@ -596,7 +599,7 @@ class CudaBackend:
                 codes = pending[i].result()
                 if i + QUANTIZE_THREADS < len(starts):
                     pending.append(pool.submit(quantize, starts[i + QUANTIZE_THREADS]))
-                data[r0 // 16:r0 // 16 + step // 16] = pack_rowint_w(cp, cp.asarray(codes))
+                data[r0 // 64:r0 // 64 + step // 64] = pack_rowint_w(cp, cp.asarray(codes))
                 pending[i] = None
         return Mat(data, t.rows, t.qtype, t.cols, s=cp.asarray(s))
 
@@ -747,11 +750,11 @@ class CudaBackend:
         uint8 [ceil(M/8), K/32, 3, 256], exponents int32 [M])."""
         cp = self.cp
         m, k = x.shape
-        _check(x.dtype == cp.float32 and x.flags.c_contiguous and k % 32 == 0 and 0 < k < MAX_ROWINT_K,
-               f"quantize_rowint x fp32 [M, K%32==0, K<{MAX_ROWINT_K}]")
+        _check(x.dtype == cp.float32 and x.flags.c_contiguous and x.data.ptr % 16 == 0 and m > 0 and k % 32 == 0
+               and 0 < k < MAX_ROWINT_K, f"quantize_rowint x fp32 [M>0, K%32==0, K<{MAX_ROWINT_K}], 16-byte aligned")
         mp = -(-m // 8) * 8
         px, sx = cp.empty((mp // 8, k // 32, 3, 256), cp.uint8), cp.empty(m, cp.int32)
-        self.k["quantize_rowint"]((mp,), (256,), (x, px, sx, np.int32(m), np.int32(k)))
+        self.k["quantize_rowint"]((mp,), (self.ri_qt,), (x, px, sx, np.int32(m), np.int32(k)))
         return px, sx
 
     def launch_matmul_rowint(self, xr, name):
@@ -762,11 +765,12 @@ class CudaBackend:
         w = self._mats[name]
         m, ks = sx.shape[0], px.shape[1]
         _check(w.s is not None and w.k == 32 * ks and px.shape == (-(-m // 8), ks, 3, 256)
-               and w.data.shape == (-(-w.rows // 16), ks, 2, 512) and w.s.shape == (w.rows,),
+               and w.data.shape == (-(-w.rows // 64), ks, 2, 2048) and w.s.shape == (w.rows,),
                f"matmul_rowint {name}: packed codes of one K")
         y = cp.empty((m, w.rows), cp.float32)
-        self.k["matmul_rowint"]((-(-m // self.ri_tokens), -(-w.rows // self.ri_rows)), (256,),
-                                (w.data, w.s, px, sx, y, np.int32(m), np.int32(w.rows), np.int32(w.k)))
+        self.k["matmul_rowint"]((self.ri_cluster * -(-m // self.ri_tokens) * -(-w.rows // self.ri_rows),), (128,),
+                                (w.data, w.s, px, sx, y, np.int32(m), np.int32(w.rows), np.int32(w.k)),
+                                shared_mem=self.ri_smem)
         return y
 
     def _check_width(self, k, v, what):

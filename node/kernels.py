@@ -5,5 +5,5 @@
 rounded division and square root (docs/determinism.md, "Float operations").
 """
 
-COMPILE_OPTIONS = ("--gpu-architecture=sm_90", "--std=c++17", "--fmad=false", "-ftz=false",
+COMPILE_OPTIONS = ("--gpu-architecture=sm_90a", "--std=c++17", "--fmad=false", "-ftz=false",
                    "-prec-div=true", "-prec-sqrt=true")

@@ -43,7 +43,8 @@ class Rowint:
         self.cp = cp
         mod = load_modules(cp)["matmul.cu"]
         self.q, self.mm = mod.get_function("quantize_rowint"), mod.get_function("matmul_rowint")
-        self.tokens, self.rows, _ = module_ints(mod, "bx_ri_geometry", 3)
+        self.tokens, self.rows, self.cluster, _, self.smem, self.qt = module_ints(mod, "bx_ri_geometry", 6)
+        self.mm.max_dynamic_shared_size_bytes = self.smem
 
     def weights(self, w: np.ndarray):
         """Host weights fp32 ``[N, K]`` -> device (packed codes, exponents) and the twin's weight."""
@@ -56,13 +57,13 @@ class Rowint:
         mp = -(-m // 8) * 8
         px = cp.empty((mp // 8, k // 32, 3, 256), cp.uint8)
         sx = cp.empty(m, cp.int32)
-        self.q((mp,), (256,), (x, px, sx, np.int32(m), np.int32(k)))
+        self.q((mp,), (self.qt,), (x, px, sx, np.int32(m), np.int32(k)))
         return px, sx
 
     def matmul(self, px, sx, pw, sw, m, n, k, y):
-        assert k % 32 == 0 and pw.shape == (-(-n // 16), k // 32, 2, 512) and y.shape == (m, n)
-        self.mm((-(-m // self.tokens), -(-n // self.rows)), (256,),
-                (pw, sw, px, sx, y, np.int32(m), np.int32(n), np.int32(k)))
+        assert k % 32 == 0 and pw.shape == (-(-n // 64), k // 32, 2, 2048) and y.shape == (m, n)
+        self.mm((self.cluster * -(-m // self.tokens) * -(-n // self.rows),), (128,),
+                (pw, sw, px, sx, y, np.int32(m), np.int32(n), np.int32(k)), shared_mem=self.smem)
 
 
 def weights_like(rng, n: int, k: int) -> np.ndarray:
@@ -120,11 +121,11 @@ def bench(ri: Rowint, rng, reps: int) -> dict:
     cp = ri.cp
     res = {}
     for name, (n, k) in SHAPES_8B.items():
-        w16 = weights_like(np.random.default_rng(1), 16, k)   # timed, not checked: one 16-row tile repeated
-        cw, sw = ref.quantize_rowint(w16, ref.W_CODE_BITS)
-        pw = pack_rowint_w(cp, cp.tile(cp.asarray(cw), (n // 16, 1)))
-        sw = cp.tile(cp.asarray(sw), n // 16)
-        wt = torch.as_tensor(cp.tile(cp.asarray(w16), (n // 16, 1)), device="cuda").to(torch.bfloat16)
+        w64 = weights_like(np.random.default_rng(1), 64, k)   # timed, not checked: one 64-row group repeated
+        cw, sw = ref.quantize_rowint(w64, ref.W_CODE_BITS)
+        pw = pack_rowint_w(cp, cp.tile(cp.asarray(cw), (-(-n // 64), 1))[:n])
+        sw = cp.tile(cp.asarray(sw), -(-n // 64))[:n]
+        wt = torch.as_tensor(cp.tile(cp.asarray(w64), (-(-n // 64), 1))[:n], device="cuda").to(torch.bfloat16)
         res[name] = {}
         for m in (1, 8, 32, 64):
             x = cp.asarray(inputs_like(rng, m, k))

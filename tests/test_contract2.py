@@ -2,7 +2,7 @@
 
 The numpy twins (node/reference.py quantize_rowint, matmul_rowint) against exact
 rational arithmetic, the GPU layouts (node/backend_cuda.py pack_rowint_w,
-pack_rowint_x) against the PTX fragment maps, the engine's batch independence
+pack_rowint_x) against the PTX operand layouts of wgmma, the engine's batch independence
 and refusals, and the attested contract version end to end (run, verify, a
 forged version). The CUDA kernels are checked against these twins by
 tests/test_gpu.py.
@@ -106,29 +106,32 @@ def test_k_of_2_16_or_more_is_refused():
                           ref.RowintWeight(*ref.quantize_rowint(x, ref.W_CODE_BITS)))
 
 
-def test_weight_layout_is_the_mma_a_fragments_in_lane_order():
-    """PTX ISA "Matrix Fragments for mma.m16n8k32" (.s8 A): lane 4g + t holds rows g
-    and g + 8 at k 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3; N = 20 pads a tile with zeros."""
+def test_weight_layout_is_wgmma_k_major_core_matrices():
+    """PTX ISA, wgmma shared-memory layout of a K-major operand without swizzle: per
+    64-row group, k-step and slice, core matrices of 8 rows x 16 bytes, row group
+    r // 8 at byte 256 (r // 8), the k-half at 128, row r % 8 at 16 (r % 8), element
+    e % 16 at e % 16; N = 70 pads the second group with zeros."""
     rng = np.random.default_rng(4)
-    codes = rng.integers(-2 ** 13, 2 ** 13 + 1, size=(20, 64)).astype(np.int32)
+    codes = rng.integers(-2 ** 13, 2 ** 13 + 1, size=(70, 64)).astype(np.int32)
     p = pack_rowint_w(np, codes)
-    assert p.shape == (2, 2, 2, 512) and p.dtype == np.uint8
-    c = np.zeros((32, 64), np.int32)
-    c[:20] = codes
+    assert p.shape == (2, 2, 2, 2048) and p.dtype == np.uint8
+    c = np.zeros((128, 64), np.int32)
+    c[:70] = codes
     for s, sl in enumerate((c & 127, c >> 7)):
         assert sl.min() >= -64 and sl.max() <= 127
-        for rt in range(2):
+        for g in range(2):
             for kk in range(2):
-                for lane in range(32):
-                    g, t = lane >> 2, lane & 3
-                    for j in range(4):   # a0 .. a3: rows g, g + 8; elements 4t .., then 16 + 4t ..
-                        for i in range(4):
-                            row, col = rt * 16 + g + 8 * (j & 1), kk * 32 + 4 * t + 16 * (j >> 1) + i
-                            assert p[rt, kk, s, lane * 16 + j * 4 + i] == sl[row, col] & 0xFF
+                for r in range(64):
+                    for e in range(32):
+                        at = 256 * (r // 8) + 128 * (e // 16) + 16 * (r % 8) + e % 16
+                        assert p[g, kk, s, at] == sl[64 * g + r, 32 * kk + e] & 0xFF
     assert np.array_equal((c >> 7) * 128 + (c & 127), c)
 
 
-def test_input_layout_is_the_mma_b_fragments_in_lane_order():
+def test_input_layout_is_wgmma_k_major_core_matrices():
+    """PTX ISA, wgmma shared-memory layout of a K-major operand without swizzle: per
+    8-token tile, k-step and slice, core matrices of 8 tokens x 16 bytes, the k-half h at
+    byte 128 h, token t at 16 t, element e at e; tokens past M (11) zero."""
     rng = np.random.default_rng(5)
     codes = rng.integers(-2 ** 20, 2 ** 20 + 1, size=(11, 64)).astype(np.int32)
     p = pack_rowint_x(codes)
@@ -136,13 +139,12 @@ def test_input_layout_is_the_mma_b_fragments_in_lane_order():
     for s, sl in enumerate((codes & 127, (codes >> 7) & 127, codes >> 14)):
         for tt in range(2):
             for kk in range(2):
-                for lane in range(32):
-                    g, t = lane >> 2, lane & 3
-                    for h in range(2):   # b0, b1: token g, elements 4t .., then 16 + 4t ..
-                        for i in range(4):
-                            tok, col = tt * 8 + g, kk * 32 + 16 * h + 4 * t + i
+                for h in range(2):
+                    for t in range(8):
+                        for e in range(16):
+                            tok, col = tt * 8 + t, kk * 32 + 16 * h + e
                             want = sl[tok, col] & 0xFF if tok < 11 else 0
-                            assert p[tt, kk, s, lane * 8 + h * 4 + i] == want
+                            assert p[tt, kk, s, 128 * h + 16 * t + e] == want
     assert np.array_equal((codes >> 14) * 2 ** 14 + ((codes >> 7) & 127) * 128 + (codes & 127), codes)
 
 
