@@ -563,7 +563,7 @@ matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
 // (tt * KS + kk) * 3 + s, tokens past M zero). A row with a value that is not finite has
 // exponent RI_NONFINITE and zero codes; its outputs are NaN (a fault).
 #ifndef RI_S
-#define RI_S 8           // blocks per cluster: block r adds k-steps [r KS / RI_S, (r + 1) KS / RI_S)
+#define RI_S 4           // blocks per cluster: block r adds k-steps [r KS / RI_S, (r + 1) KS / RI_S)
 #endif
 #define RI_NT 4          // 8-token tiles per pass (32 tokens; wgmma N is 8 x the pass's live tiles)
 #ifndef RI_CH
