@@ -584,9 +584,13 @@ matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
 // tokens per pass, rows per cluster, blocks per cluster, RI_NONFINITE, matmul_rowint's dynamic
 // shared memory bytes per block, quantize_rowint's threads: read by node/backend_cuda.py
 extern "C" __constant__ int bx_ri_geometry[6] = {RI_NT * 8, 64, RI_S, RI_NONFINITE, RI_STAGES * RI_STAGE, RI_QT};
+static_assert(RI_STAGES >= 2 && RI_CH >= 1, "a ring of at least two stages");
+static_assert(RI_STAGES * RI_STAGE >= 64 * RI_NT * 8 * 8, "the stages must hold a block's int64 partials");
+static_assert(RI_STAGES * RI_STAGE <= 227 * 1024, "shared memory of one block on sm_90");
 
-// wgmma descriptor of a K-major, unswizzled B operand at shared address a: 8 x 16-byte
-// core matrices, k-halves 128 bytes apart, 8-token groups 256 (PTX ISA, "Matrix
+// wgmma descriptor of a K-major, unswizzled operand at shared address a (the weights, A,
+// and the input codes, B, alike): core matrices of 8 rows (or tokens) x 16 bytes, the two
+// k-halves 128 bytes apart, successive 8-row (8-token) groups 256 (PTX ISA, "Matrix
 // Descriptor Format": start, leading and stride byte offsets in 16-byte units).
 __device__ __forceinline__ unsigned long long bx_ri_desc(unsigned int a) {
     return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)(128 >> 4) << 16) |
@@ -747,8 +751,8 @@ __device__ __forceinline__ void bx_matmul_rowint_t(const unsigned char* __restri
 #pragma unroll
         for (int i = 0; i < 4; ++i)
             part[(16 * w + g + 8 * (i >> 1)) * (RI_NT * 8) + 8 * j + 2 * t4 + (i & 1)] =
-                (long long)acc[0][4 * j + i] + ((long long)acc[1][4 * j + i] << 7) +
-                ((long long)acc[2][4 * j + i] << 14) + ((long long)acc[3][4 * j + i] << 21);
+                (long long)acc[0][4 * j + i] + (long long)acc[1][4 * j + i] * 128 +
+                (long long)acc[2][4 * j + i] * 16384 + (long long)acc[3][4 * j + i] * 2097152;
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
     for (int o = tid + 128 * rank; o < 64 * NT * 8; o += 128 * RI_S) {
         int r = o / (NT * 8), c = o % (NT * 8), m = tt0 * 8 + c, nr = row0 + r;

@@ -764,7 +764,8 @@ class CudaBackend:
         px, sx = xr
         w = self._mats[name]
         m, ks = sx.shape[0], px.shape[1]
-        _check(w.s is not None and w.k == 32 * ks and px.shape == (-(-m // 8), ks, 3, 256)
+        _check(w.s is not None and w.k == 32 * ks and px.dtype == cp.uint8 and px.flags.c_contiguous
+               and px.data.ptr % 16 == 0 and px.shape == (-(-m // 8), ks, 3, 256)
                and w.data.shape == (-(-w.rows // 64), ks, 2, 2048) and w.s.shape == (w.rows,),
                f"matmul_rowint {name}: packed codes of one K")
         y = cp.empty((m, w.rows), cp.float32)

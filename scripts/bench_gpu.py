@@ -423,10 +423,11 @@ def main() -> int:
     results = {"gpu": props["name"].decode(), "date": time.strftime("%Y-%m-%d"), "layers_8b": args.layers}
 
     models = []
-    try:
-        models.append(("smollm2-135m-q4_1", load_model(args.default_model or default_model_path())))
-    except Exception as e:
-        results["smollm2-135m-q4_1"] = {"error": str(e)}
+    if "smollm2-135m-q4_1" not in args.skip:
+        try:
+            models.append(("smollm2-135m-q4_1", load_model(args.default_model or default_model_path())))
+        except Exception as e:
+            results["smollm2-135m-q4_1"] = {"error": str(e)}
     tmp = tempfile.mkdtemp()
     for qt in ("BF16", "Q4_K"):
         name = f"llama-8b-{args.layers}L-{qt.lower()}"

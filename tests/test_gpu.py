@@ -373,7 +373,7 @@ def test_quantize_rowint_twin(backends_c2, m):
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16"])
 @pytest.mark.parametrize("m", [1, 5, 8, 17, 33])
 def test_matmul_rowint_twin(models, backends_c2, qtype, m):
-    """Every float matrix shape of the model (N not a multiple of the block's 32 rows:
+    """Every float matrix shape of the model (N not a multiple of a cluster's 64 rows:
     the LM head's 300) against reference.matmul_rowint; NaN and inf rows give NaN."""
     be, model = backends_c2[qtype], models[qtype]
     rng = np.random.default_rng(200 + m)

@@ -1,4 +1,4 @@
-"""CUDA sources: no atomics in the text; with nvcc for sm_90 (the pinned
+"""CUDA sources: no atomics in the text; with nvcc for sm_90a (the pinned
 options): no register spills and no atom/red instruction in PTX or SASS; and
 the cubins the node itself builds with NVRTC (no GPU needed to compile): no
 atom/red instruction, no stack or local memory, every kernel waiting for the
