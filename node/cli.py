@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=_float("--top-p"), default=1.0, metavar="P",
                    help="nucleus mass in (0, 1] (default: %(default)s)")
     r.add_argument("--seed", type=int, default=0, metavar="S", help="PRNG seed in [0, 2^64) (default: %(default)s)")
-    r.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    r.add_argument("--stop", action="append", metavar="STR",
+                   help="stop string of at most 4096 characters (repeatable, up to 16 times)")
     r.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, at most 8192)")
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=device)
     r.add_argument("--pin", default="NVIDIA H200", metavar="GPU", help=pin)
@@ -393,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request body may take to arrive after its headers, else 408 (default: %(default)s)")
     s.add_argument("--ctx", type=int, metavar="N", help="context length in tokens (default: model's, at most 8192)")
     s.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor-parallel degree 1, 2, 4 or 8: one rank process each (cuda: rank r on GPU r)")
+                   help="tensor-parallel degree 1, 2, 4 or 8: one rank process each (cuda: rank r on GPU r; default: %(default)s)")
     s.set_defaults(fn=cmd_serve)
 
     i = sub.add_parser("inspect", help="show every field of an attestation")

@@ -1331,3 +1331,14 @@ def test_one_launch_is_accepted_and_ignored_on_the_cpu(art, tmp_path):
         assert p.returncode == 0, p.stderr
         digests.append(json.loads(p.stdout)["output_digest"])
     assert digests[0] == digests[1]
+
+
+def test_run_help_states_the_stop_limits_the_request_enforces(capsys):
+    """`run --help` names the limits of --stop that node/generate.py enforces."""
+    from node.cli import main
+    from node.generate import MAX_STOP_CHARS, MAX_STOP_STRINGS
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0
+    assert f"at most {MAX_STOP_CHARS} characters (repeatable, up to {MAX_STOP_STRINGS} times)" in text
