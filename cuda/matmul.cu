@@ -573,17 +573,15 @@ matmul_f(const unsigned char* __restrict__ W0, const unsigned char* __restrict__
 #define RI_STAGES 2      // stages in the ring (RI_STAGES - 1 in flight while one is read)
 #endif
 #define RI_QT 512        // quantize_rowint's threads per token
-#ifndef RI_MINB
-#define RI_MINB 1        // matmul_rowint's __launch_bounds__ minimum blocks per multiprocessor
-#endif
 #define RI_XBITS 19      // node/reference.py X_CODE_BITS
 #define RI_NONFINITE (1 << 30)  // node/reference.py ROWINT_NONFINITE
 #define RI_WREC 2048                    // weight bytes of one group, k-step and slice
 #define RI_XREC (RI_NT * 256)           // input bytes of one pass, k-step and slice in a stage
 #define RI_STAGE (RI_CH * (2 * RI_WREC + 3 * RI_XREC))  // bytes of one stage: weights, then inputs
-// tokens per pass, rows per cluster, blocks per cluster, RI_NONFINITE, matmul_rowint's dynamic
-// shared memory bytes per block, quantize_rowint's threads: read by node/backend_cuda.py
-extern "C" __constant__ int bx_ri_geometry[6] = {RI_NT * 8, 64, RI_S, RI_NONFINITE, RI_STAGES * RI_STAGE, RI_QT};
+// matmul_rowint's tokens per pass, rows per cluster, blocks per cluster, threads per block
+// (one warpgroup) and dynamic shared memory bytes per block, quantize_rowint's threads, and
+// RI_NONFINITE: read by node/backend_cuda.py rowint_geometry
+extern "C" __constant__ int bx_ri_geometry[7] = {RI_NT * 8, 64, RI_S, 128, RI_STAGES * RI_STAGE, RI_QT, RI_NONFINITE};
 static_assert(RI_STAGES >= 2 && RI_CH >= 1, "a ring of at least two stages");
 static_assert(RI_STAGES * RI_STAGE >= 64 * RI_NT * 8 * 8, "the stages must hold a block's int64 partials");
 static_assert(RI_STAGES * RI_STAGE <= 227 * 1024, "shared memory of one block on sm_90");
@@ -779,7 +777,7 @@ __device__ __forceinline__ void bx_matmul_rowint_t(const unsigned char* __restri
 // Grid: x = RI_S * (64-row groups) * passes (cluster rank fastest, then pass, then row
 // group: the passes over one group run close together and share its weights in L2).
 // Dynamic shared memory: RI_STAGES * RI_STAGE bytes.
-extern "C" __global__ void __cluster_dims__(RI_S, 1, 1) __launch_bounds__(128, RI_MINB) matmul_rowint(
+extern "C" __global__ void __cluster_dims__(RI_S, 1, 1) __launch_bounds__(128) matmul_rowint(
     const unsigned char* __restrict__ pw, const int* __restrict__ sw, const unsigned char* __restrict__ px,
     const int* __restrict__ sx, float* __restrict__ y, int M, int N, int K) {
     extern __shared__ __align__(128) unsigned char smem[];

@@ -196,6 +196,32 @@ def module_ints(mod, name: str, n: int = 1) -> list[int]:
     return cupy.ndarray((n,), cupy.int32, mod.get_global(name)).get().tolist()
 
 
+class RowintGeometry(NamedTuple):
+    """cuda/matmul.cu bx_ri_geometry: matmul_rowint's tokens per pass, rows per cluster,
+    blocks per cluster, threads per block and dynamic shared memory bytes per block;
+    quantize_rowint's threads per token."""
+    tokens: int
+    rows: int
+    cluster: int
+    threads: int
+    smem: int
+    quantize_threads: int
+
+    def grid(self, m: int, n: int) -> tuple:
+        """matmul_rowint's grid for ``m`` tokens and ``n`` rows: a cluster per pass of
+        :attr:`tokens` tokens and group of :attr:`rows` rows."""
+        return (self.cluster * -(-m // self.tokens) * -(-n // self.rows),)
+
+
+def rowint_geometry(mod) -> RowintGeometry:
+    """The :class:`RowintGeometry` of a loaded cuda/matmul.cu module; raises
+    :class:`GpuError` if its RI_NONFINITE differs from node/reference.py's."""
+    *geo, nonfinite = module_ints(mod, "bx_ri_geometry", 7)
+    if nonfinite != ROWINT_NONFINITE:
+        raise GpuError(f"cuda/matmul.cu RI_NONFINITE is {nonfinite}, node/reference.py {ROWINT_NONFINITE}")
+    return RowintGeometry(*geo)
+
+
 def x_width(k: int) -> int:
     """Chunk width (fp32 elements) of the lane-major input ``matmul_f`` reads for rows of
     ``k`` elements: 16-byte chunks where ``k / 32`` allows (:func:`node.reference.lane_width`
@@ -472,11 +498,8 @@ class CudaBackend:
             (self.rn_threads,) = module_ints(mods["norm.cu"], "bx_rn_threads")
             self.mq_warp_smem = module_ints(mods["matmul.cu"], "bx_mq_warp_smem", len(QTYPE_IDS))
             (self.mq_lane_smem,) = module_ints(mods["matmul.cu"], "bx_mq_lane_smem")
-            self.ri_tokens, self.ri_rows, self.ri_cluster, nonfinite, self.ri_smem, self.ri_qt = module_ints(
-                mods["matmul.cu"], "bx_ri_geometry", 6)
-            self.k["matmul_rowint"].max_dynamic_shared_size_bytes = self.ri_smem
-            if nonfinite != ROWINT_NONFINITE:
-                raise GpuError(f"cuda/matmul.cu RI_NONFINITE is {nonfinite}, node/reference.py {ROWINT_NONFINITE}")
+            self.ri = rowint_geometry(mods["matmul.cu"])
+            self.k["matmul_rowint"].max_dynamic_shared_size_bytes = self.ri.smem
             # Float matrices are kept lane-major for matmul_f (token_embd stays
             # row-major for embed, plus a matrix of its own when it is the LM head).
             self._weights, self._mats = {}, {}
@@ -754,7 +777,7 @@ class CudaBackend:
                and 0 < k < MAX_ROWINT_K, f"quantize_rowint x fp32 [M>0, K%32==0, K<{MAX_ROWINT_K}], 16-byte aligned")
         mp = -(-m // 8) * 8
         px, sx = cp.empty((mp // 8, k // 32, 3, 256), cp.uint8), cp.empty(m, cp.int32)
-        self.k["quantize_rowint"]((mp,), (self.ri_qt,), (x, px, sx, np.int32(m), np.int32(k)))
+        self.k["quantize_rowint"]((mp,), (self.ri.quantize_threads,), (x, px, sx, np.int32(m), np.int32(k)))
         return px, sx
 
     def launch_matmul_rowint(self, xr, name):
@@ -769,9 +792,9 @@ class CudaBackend:
                and w.data.shape == (-(-w.rows // 64), ks, 2, 2048) and w.s.shape == (w.rows,),
                f"matmul_rowint {name}: packed codes of one K")
         y = cp.empty((m, w.rows), cp.float32)
-        self.k["matmul_rowint"]((self.ri_cluster * -(-m // self.ri_tokens) * -(-w.rows // self.ri_rows),), (128,),
+        self.k["matmul_rowint"](self.ri.grid(m, w.rows), (self.ri.threads,),
                                 (w.data, w.s, px, sx, y, np.int32(m), np.int32(w.rows), np.int32(w.k)),
-                                shared_mem=self.ri_smem)
+                                shared_mem=self.ri.smem)
         return y
 
     def _check_width(self, k, v, what):

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from node import reference as ref  # noqa: E402
-from node.backend_cuda import load_modules, module_ints, pack_rowint_w, pack_rowint_x  # noqa: E402
+from node.backend_cuda import load_modules, pack_rowint_w, pack_rowint_x, rowint_geometry  # noqa: E402
 
 SHAPES_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
              "lm_head": (128256, 4096)}
@@ -49,8 +49,8 @@ class Rowint:
         self.cp = cp
         mod = load_modules(cp)["matmul.cu"]
         self.q, self.mm = mod.get_function("quantize_rowint"), mod.get_function("matmul_rowint")
-        self.tokens, self.rows, self.cluster, _, self.smem, self.qt = module_ints(mod, "bx_ri_geometry", 6)
-        self.mm.max_dynamic_shared_size_bytes = self.smem
+        self.geo = rowint_geometry(mod)
+        self.mm.max_dynamic_shared_size_bytes = self.geo.smem
 
     def weights(self, w: np.ndarray):
         """Host weights fp32 ``[N, K]`` -> device (packed codes, exponents) and the twin's weight."""
@@ -63,13 +63,13 @@ class Rowint:
         mp = -(-m // 8) * 8
         px = cp.empty((mp // 8, k // 32, 3, 256), cp.uint8)
         sx = cp.empty(m, cp.int32)
-        self.q((mp,), (self.qt,), (x, px, sx, np.int32(m), np.int32(k)))
+        self.q((mp,), (self.geo.quantize_threads,), (x, px, sx, np.int32(m), np.int32(k)))
         return px, sx
 
     def matmul(self, px, sx, pw, sw, m, n, k, y):
         assert k % 32 == 0 and pw.shape == (-(-n // 64), k // 32, 2, 2048) and y.shape == (m, n)
-        self.mm((self.cluster * -(-m // self.tokens) * -(-n // self.rows),), (128,),
-                (pw, sw, px, sx, y, np.int32(m), np.int32(n), np.int32(k)), shared_mem=self.smem)
+        self.mm(self.geo.grid(m, n), (self.geo.threads,),
+                (pw, sw, px, sx, y, np.int32(m), np.int32(n), np.int32(k)), shared_mem=self.geo.smem)
 
 
 def weights_like(rng, n: int, k: int) -> np.ndarray:

@@ -73,11 +73,13 @@ def test_launch_constants_mirror_the_sources():
         assert _define(name, file) == value, f"{file} {name} = {_define(name, file)}, Python has {value}"
 
 
-def _record_asserts(rec_bytes) -> str:
+def _record_asserts(rec_bytes, rowint_fields=None) -> str:
     """static_asserts that cuda/matmul.cu's record layout equals ``rec_bytes(qtype)`` and
-    node/backend_cuda.py MQ_NIBBLES for every type matmul_q reads."""
+    node/backend_cuda.py MQ_NIBBLES for every type matmul_q reads, and that bx_ri_geometry
+    holds RowintGeometry's fields (``rowint_fields``, default its count) and RI_NONFINITE."""
     import node.backend_cuda as bc
-    lines = []
+    n = len(bc.RowintGeometry._fields) if rowint_fields is None else rowint_fields
+    lines = [f'static_assert(sizeof(bx_ri_geometry) == {n + 1} * sizeof(int), "bx_ri_geometry size");']
     for qt in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"):
         i = bc.QTYPE_IDS[qt]
         lines.append(f'static_assert(bx_mq_rec({i}) == {rec_bytes(qt)}, "{qt}: record bytes");')
@@ -87,7 +89,8 @@ def _record_asserts(rec_bytes) -> str:
 
 def test_record_layout_mirrors_the_kernel():
     """node/backend_cuda.py packs records of mq_record_bytes(qtype) bytes (4-bit codes
-    for MQ_NIBBLES); cuda/matmul.cu's constexpr bx_mq_rec and bx_mq_nibbles must agree.
+    for MQ_NIBBLES); cuda/matmul.cu's constexpr bx_mq_rec and bx_mq_nibbles must agree,
+    and bx_ri_geometry must hold RowintGeometry's fields and RI_NONFINITE.
     Checked by compiling the kernel source with static_asserts of the Python values;
     a wrong value fails the compile."""
     import node.backend_cuda as bc
@@ -97,6 +100,8 @@ def test_record_layout_mirrors_the_kernel():
     with pytest.raises(GpuError, match="Q4_K: record bytes"):
         _nvrtc_compile("matmul.cu", src + "\n" + _record_asserts(
             lambda qt: bc.mq_record_bytes(qt) + (16 if qt == "Q4_K" else 0)), header)
+    with pytest.raises(GpuError, match="bx_ri_geometry size"):
+        _nvrtc_compile("matmul.cu", src + "\n" + _record_asserts(bc.mq_record_bytes, 5), header)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in os.listdir(CUDA) if n.endswith((".cu", ".cuh"))))
