@@ -16,9 +16,11 @@ that ends it) and the LM head's; each ``--variant=FLAGS`` profiles a build
 of cuda/step.cu with those ``-D`` flags added (e.g. ``--variant=-DST_STAGES=5``;
 ``--variant=`` is the node's build), one engine each. Every run reports the
 SHA-256 of its last step's logits, so variants must show one digest.
+``--contract 2`` profiles the per-op step of determinism contract 2
+(docs/determinism.md section 14).
 
     python scripts/profile_step.py [--shape llama-8b] [--qtype BF16] [--layers 4] [--batch 1 32] [--one-launch]
-                                   [--variant=FLAGS ...] [--out prof.json]
+                                   [--contract 1|2] [--variant=FLAGS ...] [--out prof.json]
 """
 
 from __future__ import annotations
@@ -131,10 +133,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="*", default=[1, 32])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--one-launch", action="store_true", help="each step in one launch (cuda/step.cu), timed by phase")
+    ap.add_argument("--contract", type=int, choices=(1, 2), default=1, help="determinism contract (2: per-op kernels only)")
     ap.add_argument("--variant", action="append", default=None, metavar="FLAGS",
                     help="with --one-launch: extra -D flags of cuda/step.cu, one profile each (repeatable; '' = as built)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.one_launch and args.contract == 2:
+        ap.error("--one-launch runs contract 1 only")
 
     from node.engine import Engine
     from node.gguf_model import load_model
@@ -145,14 +150,15 @@ def main() -> int:
     # step stamps: 5 per tile and layer, and 3; the prefill of 8 tokens per sequence is the longest step
     tiles = -(-8 * max(args.batch) // ST_TM)
     opts = {"one_launch": True, "step_times": 5 * tiles * args.layers + 3} if args.one_launch else {}
-    report = {"shape": args.shape, "qtype": args.qtype, "layers": args.layers, "variants": []}
+    report = {"shape": args.shape, "qtype": args.qtype, "layers": args.layers, "contract": args.contract,
+              "variants": []}
     import cupy as cp
 
     defines = backend_cuda.step_defines
     try:
         for variant in (args.variant or [""]) if args.one_launch else [""]:
             backend_cuda.step_defines = lambda model: (d + tuple(variant.split()) if (d := defines(model)) else d)
-            eng = Engine(load_model(path), "cuda", n_ctx=2048, pin=None, **opts)
+            eng = Engine(load_model(path), "cuda", n_ctx=2048, pin=None, contract=args.contract, **opts)
             if args.one_launch and eng.backend.step is None:
                 print(f"{args.shape} {args.qtype} does not fit cuda/step.cu (node/backend_cuda.py step_defines)",
                       file=sys.stderr)
