@@ -36,7 +36,9 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = Tr
     resolves ``path``'s own folder part to) created with ``mode``, are
     fsynced, then renamed over ``path`` (``overwrite=True``) or hard-linked to
     it, which fails with FileExistsError if ``path`` exists (``overwrite=False``).
-    The folder is fsynced afterwards. Raises OSError on I/O failure. With
+    The folder is fsynced afterwards; it is opened for that first, so a folder
+    that cannot be read fails before anything is written. Raises OSError on
+    I/O failure. With
     ``overwrite=False`` a failure or an interrupt after the link (the folder's
     fsync) removes ``path`` again, so the call leaves the whole file or nothing;
     a rename cannot be undone, so with ``overwrite=True`` the new file stays.
@@ -47,6 +49,7 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = Tr
     if why:
         raise FileExistsError(errno.EEXIST, f"refusing to replace it: it is {why}", path)
     folder = os.path.dirname(resolved_path(path))
+    dfd = os.open(folder, os.O_RDONLY)   # before the write: the fsync after the rename must not fail
     tmp, linked = None, False
     try:   # the cleanup knows the temp file once mkstemp returns (an interrupt inside it can still leave one)
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
@@ -61,15 +64,12 @@ def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = Tr
             os.link(tmp, path)
             linked = True
             os.unlink(tmp)
-        dfd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        os.fsync(dfd)
     except BaseException:
         if linked:   # this call made the name: a failed write leaves nothing
             os.unlink(path)
         raise
     finally:
+        os.close(dfd)
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)

@@ -21,7 +21,7 @@ from nacl.bindings import crypto_core_ed25519_is_valid_point
 
 from node.errors import KeyError_
 
-from .atomic import atomic_write
+from .atomic import atomic_write, not_replaceable
 from .readfile import read_regular
 
 
@@ -92,7 +92,8 @@ def generate(path: str, passphrase: bytes | None = None) -> str:
     pub_path = pub_path_for(path)
     for p in (path, pub_path):
         if os.path.lexists(p):
-            raise KeyError_(f"refusing to overwrite existing file {p}")
+            why = not_replaceable(p)   # a folder, device or link: not a file to refuse to overwrite
+            raise KeyError_(f"refusing to write {p}: it is {why}" if why else f"refusing to overwrite existing file {p}")
     key = Ed25519PrivateKey.generate()
     enc = (serialization.BestAvailableEncryption(passphrase) if passphrase
            else serialization.NoEncryption())

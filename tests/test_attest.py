@@ -783,3 +783,22 @@ def test_atomic_write_writes_in_the_folder_the_system_resolves(tmp_path, monkeyp
     atomic_write(os.path.join("lnk", "..", "x.bxa"), b"data")
     assert len(made) == 1 and os.path.dirname(made[0]) == os.path.realpath(tmp_path / "real")
     assert (tmp_path / "real" / "x.bxa").read_bytes() == b"data" and os.listdir(tmp_path / "cwd") == ["lnk"]
+
+
+def test_atomic_write_in_an_unreadable_folder_writes_nothing(tmp_path, monkeypatch):
+    """A folder that may be written but not read (mode 0333) cannot be opened for the
+    fsync that follows the rename: the call fails before the file appears, and an
+    old file stays as it was (root ignores the mode, so the refusal is simulated)."""
+    import attest.atomic as atomic
+    (tmp_path / "a.bxa").write_bytes(b"old")
+    real_open = os.open
+
+    def unreadable(path, flags, *a, **k):
+        if os.path.realpath(path) == os.path.realpath(tmp_path) and flags == os.O_RDONLY:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *a, **k)
+    monkeypatch.setattr(atomic.os, "open", unreadable)
+    for name in ("a.bxa", "new.bxa"):
+        with pytest.raises(PermissionError):
+            atomic.atomic_write(str(tmp_path / name), b"new")
+    assert os.listdir(tmp_path) == ["a.bxa"] and (tmp_path / "a.bxa").read_bytes() == b"old"

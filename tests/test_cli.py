@@ -306,6 +306,16 @@ def test_keygen_refuses_to_overwrite_either_file(tmp_path, existing):
     assert (tmp_path / existing).read_bytes() == b"precious"
 
 
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_keygen_names_what_is_not_a_file(tmp_path, kind):
+    """--out naming a folder or a FIFO: refused as not a regular file (not as an
+    existing file), and left as it was."""
+    (tmp_path / "KEY.pem").mkdir() if kind == "folder" else os.mkfifo(tmp_path / "KEY.pem")
+    msg = assert_input_error(bx(tmp_path, "keygen", "--out", "KEY.pem"))
+    assert msg.endswith("refusing to write KEY.pem: it is not a regular file")
+    assert listing(tmp_path) == ["KEY.pem"]
+
+
 def test_keygen_twice_keeps_the_first_key(tmp_path):
     assert bx(tmp_path, "keygen", "--out", "KEY.pem").returncode == 0
     before = {n: (tmp_path / n).read_bytes() for n in listing(tmp_path)}
@@ -490,9 +500,9 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--stop", "\udcff"], "not valid Unicode"),
     (["--prompt", "hi", "--model", ""], "not found"),
     (["--prompt", "hi", "--attestation", ""], "--attestation"),
-    (["--prompt", "hi", "--attestation", "/no/such/folder/a.bxa"], "not a writable folder"),
-    (["--prompt", "hi", "--attestation", "nodir/"], "not a writable folder"),          # a folder's name
-    (["--prompt", "hi", "--attestation", "nodir/../a.bxa"], "not a writable folder"),  # the system resolves nodir
+    (["--prompt", "hi", "--attestation", "/no/such/folder/a.bxa"], "not a readable, writable folder"),
+    (["--prompt", "hi", "--attestation", "nodir/"], "not a readable, writable folder"),          # a folder's name
+    (["--prompt", "hi", "--attestation", "nodir/../a.bxa"], "not a readable, writable folder"),  # the system resolves nodir
     ([], "--prompt"),
 ])
 def test_run_rejects_bad_requests(art, tmp_path, cwd, args, needle):
