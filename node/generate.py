@@ -92,7 +92,7 @@ class Request:
             _validate_messages(self.messages)
         else:
             if not self.prompt or not self.prompt.strip():
-                raise RequestError("the prompt is empty", "prompt")
+                raise RequestError("the prompt is empty or only whitespace", "prompt")
             _utf8(self.prompt, "prompt", "prompt")
 
 
@@ -127,7 +127,7 @@ def _validate_messages(messages) -> None:
         _utf8(m["role"], "chat role", "messages")
         _utf8(m["content"], "chat message", "messages")
     if not any(m["content"].strip() for m in messages):
-        raise RequestError("the chat messages are empty", "messages")
+        raise RequestError("the chat messages are empty or only whitespace", "messages")
 
 
 def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
@@ -154,7 +154,8 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
                            param=param, code="context_length_exceeded")
     ids = tok.encode(text, special=mode == "chat")
     if not ids:  # e.g. characters the model's vocabulary drops
-        raise RequestError(f"the {param} encodes to no tokens of this model's vocabulary", param=param)
+        what = "prompt encodes" if mode == "prompt" else "chat template's rendering of the messages encodes"
+        raise RequestError(f"the {what} to no tokens of this model's vocabulary", param=param)
     if len(ids) >= n_ctx:
         raise RequestError(f"the prompt is {len(ids)} tokens; the context holds {n_ctx} (one must stay free)",
                            param=param, code="context_length_exceeded")

@@ -267,6 +267,7 @@ def load_model(path: str) -> Model:
             if t.cols % QK:
                 raise ModelError(f"tensor {t.name}: K={t.cols} is not a multiple of {QK}")
     _check_type(reader, "general.name", GGUFValueType.STRING)
+    _check_type(reader, "tokenizer.chat_template", GGUFValueType.STRING)
     tied = "output.weight" not in tensors
     metadata = {k: _field(reader, k) for k in ("general.name", "tokenizer.chat_template", "tokenizer.ggml.model",
                                                 "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",

@@ -132,6 +132,7 @@ def test_store_get_returns_the_file_its_id_names(tmp_path):
     ({"llama.context_length": float("inf")}, "context_length is stored as FLOAT32"),
     ({"llama.rope.freq_base": float("inf")}, "freq_base has an invalid value inf"),
     ({"general.name": 7}, "general.name is stored as UINT32; llama.cpp reads it as STRING only"),
+    ({"tokenizer.chat_template": 7}, "chat_template is stored as UINT32; llama.cpp reads it as STRING only"),
     ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "unsupported RoPE scaling type 'yarn'"),
     ({"llama.rope.scaling.factor": -2.0}, "rope.scaling.factor has an invalid value"),
     ({"llama.rope.scale_linear": float("nan")}, "rope.scale_linear has an invalid value nan"),
