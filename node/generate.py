@@ -154,8 +154,8 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
                            param=param, code="context_length_exceeded")
     ids = tok.encode(text, special=mode == "chat")
     if not ids:  # e.g. characters the model's vocabulary drops
-        what = "prompt encodes" if mode == "prompt" else "chat template's rendering of the messages encodes"
-        raise RequestError(f"the {what} to no tokens of this model's vocabulary", param=param)
+        what = "prompt" if mode == "prompt" else "chat template's rendering of the messages"
+        raise RequestError(f"the {what} encodes to no tokens of this model's vocabulary", param=param)
     if len(ids) >= n_ctx:
         raise RequestError(f"the prompt is {len(ids)} tokens; the context holds {n_ctx} (one must stay free)",
                            param=param, code="context_length_exceeded")
