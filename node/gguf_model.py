@@ -26,7 +26,6 @@ QK = 32  # elements per contract block (ggml QK8_0 / QK8_1)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 SUPPORTED_TYPES = FLOAT_TYPES + QUANT_TYPES
-ASYMMETRIC = ("Q4_1", "Q4_K")
 # Bytes per ggml block and elements per ggml block.
 BLOCK_BYTES = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
 
