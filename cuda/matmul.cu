@@ -677,11 +677,23 @@ extern "C" __global__ void __launch_bounds__(RI_QT) quantize_rowint(const float*
     }
 }
 
+// One k-step of matmul_rowint: the six products of the weights' two 7-bit slices (shared
+// address wa) by the input codes' three (xb), into the accumulators of 2^0, 2^7, 2^14, 2^21.
+template <int NT> __device__ __forceinline__ void bx_ri_kstep(int (&acc)[4][NT * 4], unsigned int wa, unsigned int xb) {
+    bx_wgmma_s8<NT>(acc[0], bx_ri_desc(wa), bx_ri_desc(xb));                           // 2^0:  wl xl
+    bx_wgmma_s8<NT>(acc[1], bx_ri_desc(wa), bx_ri_desc(xb + RI_XREC));                 // 2^7:  wl xm
+    bx_wgmma_s8<NT>(acc[1], bx_ri_desc(wa + RI_WREC), bx_ri_desc(xb));                 //       wh xl
+    bx_wgmma_s8<NT>(acc[2], bx_ri_desc(wa), bx_ri_desc(xb + 2 * RI_XREC));             // 2^14: wl xh
+    bx_wgmma_s8<NT>(acc[2], bx_ri_desc(wa + RI_WREC), bx_ri_desc(xb + RI_XREC));       //       wh xm
+    bx_wgmma_s8<NT>(acc[3], bx_ri_desc(wa + RI_WREC), bx_ri_desc(xb + 2 * RI_XREC));   // 2^21: wh xh
+}
+
 // ---- matmul_rowint: a cluster of RI_S blocks (one warpgroup each) computes 64 rows (group
 // rg) by one pass of up to RI_NT * 8 tokens; block r adds its share of the k-steps with
 // wgmma from a ring of RI_STAGES shared-memory stages that cp.async fills RI_STAGES - 1
 // ahead, the blocks' int64 partials meet through distributed shared memory (exact), and
-// block r scales every RI_S-th output once.
+// block r scales every RI_S-th run of 128 outputs once and stores them while the others
+// finish reading its partials.
 __device__ __forceinline__ void bx_cp16(unsigned int dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
@@ -721,19 +733,18 @@ __device__ __forceinline__ void bx_matmul_rowint_t(const unsigned char* __restri
         stage(st + RI_STAGES - 1);
         unsigned int a = sbase + (st % RI_STAGES) * RI_STAGE, b = a + RI_CH * 2 * RI_WREC;
         int c = min(RI_CH, n - st * RI_CH);
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        if (c == RI_CH) {  // a full stage: one fence, no branch between its MMAs
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-        for (int kl = 0; kl < RI_CH; ++kl) {
-            if (kl >= c) break;
-            unsigned int wa = a + kl * 2 * RI_WREC, xb = b + kl * 3 * RI_XREC;
-            bx_wgmma_s8<NT>(acc[0], bx_ri_desc(wa), bx_ri_desc(xb));                           // 2^0:  wl xl
-            bx_wgmma_s8<NT>(acc[1], bx_ri_desc(wa), bx_ri_desc(xb + RI_XREC));                 // 2^7:  wl xm
-            bx_wgmma_s8<NT>(acc[1], bx_ri_desc(wa + RI_WREC), bx_ri_desc(xb));                 //       wh xl
-            bx_wgmma_s8<NT>(acc[2], bx_ri_desc(wa), bx_ri_desc(xb + 2 * RI_XREC));             // 2^14: wl xh
-            bx_wgmma_s8<NT>(acc[2], bx_ri_desc(wa + RI_WREC), bx_ri_desc(xb + RI_XREC));       //       wh xm
-            bx_wgmma_s8<NT>(acc[3], bx_ri_desc(wa + RI_WREC), bx_ri_desc(xb + 2 * RI_XREC));   // 2^21: wh xh
+            for (int kl = 0; kl < RI_CH; ++kl) bx_ri_kstep<NT>(acc, a + kl * 2 * RI_WREC, b + kl * 3 * RI_XREC);
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        } else {  // the block's short last stage
+            for (int kl = 0; kl < c; ++kl) {
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+                bx_ri_kstep<NT>(acc, a + kl * 2 * RI_WREC, b + kl * 3 * RI_XREC);
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            }
         }
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     }
     bx_wgmma_wait<0>();
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -741,48 +752,68 @@ __device__ __forceinline__ void bx_matmul_rowint_t(const unsigned char* __restri
     for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int i = 0; i < NT * 4; ++i) asm volatile("" : "+r"(acc[j][i])::"memory");
-    __syncthreads();  // the stages are no longer read: they hold this block's partials [64][RI_NT * 8]
+    __syncthreads();  // the stages are no longer read: they hold this block's partials [RI_NT * 8][64]
     long long* part = reinterpret_cast<long long*>(smem);
     int lane = tid & 31, w = tid >> 5, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            part[(16 * w + g + 8 * (i >> 1)) * (RI_NT * 8) + 8 * j + 2 * t4 + (i & 1)] =
+            part[(8 * j + 2 * t4 + (i & 1)) * 64 + 16 * w + g + 8 * (i >> 1)] =
                 (long long)acc[0][4 * j + i] + (long long)acc[1][4 * j + i] * 128 +
                 (long long)acc[2][4 * j + i] * 16384 + (long long)acc[3][4 * j + i] * 2097152;
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-    for (int o = tid + 128 * rank; o < 64 * NT * 8; o += 128 * RI_S) {
-        int r = o / (NT * 8), c = o % (NT * 8), m = tt0 * 8 + c, nr = row0 + r;
-        if (m >= M || nr >= N) continue;
-        unsigned int at = sbase + (r * (RI_NT * 8) + c) * 8;
-        long long I = 0;
+    constexpr int PER = (64 * NT * 8 + 128 * RI_S - 1) / (128 * RI_S);  // outputs per thread
+    long long I[PER];
 #pragma unroll
-        for (int q = 0; q < RI_S; ++q) {  // every block's partial of this output, through its shared memory
+    for (int i = 0; i < PER; ++i) {  // output o (token o / 64, row o % 64): every block's partial of it
+        int o = tid + 128 * (rank + RI_S * i);
+        I[i] = 0;
+        if (o >= 64 * NT * 8) continue;
+        unsigned int at = sbase + o * 8;
+#pragma unroll
+        for (int q = 0; q < RI_S; ++q) {
             unsigned int rq;
             long long v;
             asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rq) : "r"(at), "r"(q));
             asm volatile("ld.shared::cluster.s64 %0, [%1];" : "=l"(v) : "r"(rq) : "memory");
-            I += v;
+            I[i] += v;
         }
+    }
+    // this block reads no more of the others' shared memory; it stores while they finish
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        int o = tid + 128 * (rank + RI_S * i), m = tt0 * 8 + o / 64, nr = row0 + o % 64;
+        if (o >= 64 * NT * 8 || m >= M || nr >= N) continue;
         int a = sx[m], bs = sw[nr];  // finite rows: |a + bs| < 400, so 2^(a + bs) is a normal double
         y[(size_t)m * N + nr] = a == RI_NONFINITE || bs == RI_NONFINITE
             ? __int_as_float(0x7fffffff)
-            : __double2float_rn((double)I * __longlong_as_double((long long)(1023 + a + bs) << 52));
+            : __double2float_rn((double)I[i] * __longlong_as_double((long long)(1023 + a + bs) << 52));
     }
     // no block leaves while another may still read its shared memory
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// Grid: x = RI_S * (64-row groups) * passes (cluster rank fastest, then pass, then row
-// group: the passes over one group run close together and share its weights in L2).
-// Dynamic shared memory: RI_STAGES * RI_STAGE bytes.
+// Products of the input codes with one to three matrices of one K (Q, K, V; gate, up), one
+// launch: matrix i has N_i rows (0: none; the host pads pw_i, sw_i, y_i with matrix 0's) and
+// starts at a 64-row group of its own. Grid: x = RI_S * (row groups of all matrices) * passes
+// (cluster rank fastest, then pass, then row group: the passes over one group run close
+// together and share its weights in L2). Dynamic shared memory: RI_STAGES * RI_STAGE bytes.
 extern "C" __global__ void __cluster_dims__(RI_S, 1, 1) __launch_bounds__(128) matmul_rowint(
-    const unsigned char* __restrict__ pw, const int* __restrict__ sw, const unsigned char* __restrict__ px,
-    const int* __restrict__ sx, float* __restrict__ y, int M, int N, int K) {
+    const unsigned char* __restrict__ pw0, const unsigned char* __restrict__ pw1,
+    const unsigned char* __restrict__ pw2, const int* __restrict__ sw0, const int* __restrict__ sw1,
+    const int* __restrict__ sw2, float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, int N0,
+    int N1, int N2, const unsigned char* __restrict__ px, const int* __restrict__ sx, int M, int K) {
     extern __shared__ __align__(128) unsigned char smem[];
     int passes = (M + RI_NT * 8 - 1) / (RI_NT * 8), rank = blockIdx.x % RI_S, pass = blockIdx.x / RI_S % passes;
-    int rg = blockIdx.x / RI_S / passes, KS = K >> 5, tt0 = pass * RI_NT;
+    int rg = blockIdx.x / RI_S / passes, KS = K >> 5, tt0 = pass * RI_NT, g0 = (N0 + 63) >> 6, g1 = (N1 + 63) >> 6;
+    const unsigned char* pw = pw0;
+    const int* sw = sw0;
+    float* y = y0;
+    int N = N0;
+    if (rg >= g0 + g1) pw = pw2, sw = sw2, y = y2, N = N2, rg -= g0 + g1;
+    else if (rg >= g0) pw = pw1, sw = sw1, y = y1, N = N1, rg -= g0;
     int nt = min(RI_NT, ((M + 7) >> 3) - tt0);
     const unsigned char* wg = pw + (size_t)rg * KS * 2 * RI_WREC;
     int k0 = rank * KS / RI_S, k1 = (rank + 1) * KS / RI_S;

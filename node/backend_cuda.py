@@ -207,10 +207,11 @@ class RowintGeometry(NamedTuple):
     smem: int
     quantize_threads: int
 
-    def grid(self, m: int, n: int) -> tuple:
-        """matmul_rowint's grid for ``m`` tokens and ``n`` rows: a cluster per pass of
-        :attr:`tokens` tokens and group of :attr:`rows` rows."""
-        return (self.cluster * -(-m // self.tokens) * -(-n // self.rows),)
+    def grid(self, m: int, ns) -> tuple:
+        """matmul_rowint's grid for ``m`` tokens and matrices of ``ns`` rows (each from a
+        group of its own): a cluster per pass of :attr:`tokens` tokens and group of
+        :attr:`rows` rows."""
+        return (self.cluster * -(-m // self.tokens) * sum(-(-n // self.rows) for n in ns),)
 
 
 def rowint_geometry(mod) -> RowintGeometry:
@@ -780,22 +781,25 @@ class CudaBackend:
         self.k["quantize_rowint"]((mp,), (self.ri.quantize_threads,), (x, px, sx, np.int32(m), np.int32(k)))
         return px, sx
 
-    def launch_matmul_rowint(self, xr, name):
-        """Contract 2 product of :meth:`launch_quantize_rowint`'s ``xr`` with float matrix
-        ``name`` (a :func:`pack_rowint_w` :class:`Mat`); fp32 [M, N]."""
+    def launch_matmul_rowint(self, xr, names):
+        """Contract 2 products of :meth:`launch_quantize_rowint`'s ``xr`` with 1-3 float
+        matrices ``names`` of one K (:func:`pack_rowint_w` :class:`Mat`), one launch;
+        list of fp32 [M, N_i]."""
         cp = self.cp
         px, sx = xr
-        w = self._mats[name]
+        ms, rows = self._fused(names)
         m, ks = sx.shape[0], px.shape[1]
-        _check(w.s is not None and w.k == 32 * ks and px.dtype == cp.uint8 and px.flags.c_contiguous
-               and px.data.ptr % 16 == 0 and px.shape == (-(-m // 8), ks, 3, 256)
-               and w.data.shape == (-(-w.rows // 64), ks, 2, 2048) and w.s.shape == (w.rows,),
-               f"matmul_rowint {name}: packed codes of one K")
-        y = cp.empty((m, w.rows), cp.float32)
-        self.k["matmul_rowint"](self.ri.grid(m, w.rows), (self.ri.threads,),
-                                (w.data, w.s, px, sx, y, np.int32(m), np.int32(w.rows), np.int32(w.k)),
-                                shared_mem=self.ri.smem)
-        return y
+        _check(px.dtype == cp.uint8 and px.flags.c_contiguous and px.data.ptr % 16 == 0
+               and px.shape == (-(-m // 8), ks, 3, 256), "matmul_rowint: packed input codes")
+        _check(all(w.s is not None and w.k == 32 * ks and w.data.shape == (-(-w.rows // 64), ks, 2, 2048)
+                   and w.s.shape == (w.rows,) for w in ms), f"matmul_rowint {names}: packed codes of one K")
+        ys = [cp.empty((m, w.rows), cp.float32) for w in ms]
+        pad = 3 - len(ms)
+        self.k["matmul_rowint"](self.ri.grid(m, rows), (self.ri.threads,),
+                                (*[w.data for w in ms], *[ms[0].data] * pad, *[w.s for w in ms], *[ms[0].s] * pad,
+                                 *ys, *[ys[0]] * pad, *(np.int32(n) for n in rows), px, sx, np.int32(m),
+                                 np.int32(ms[0].k)), shared_mem=self.ri.smem)
+        return ys
 
     def _check_width(self, k, v, what):
         _check(v == 0 or (v == Q8_OUT and k % 32 == 0) or (v in (1, 2, 4, 8) and k % 32 == 0 and (k // 32) % v == 0),
@@ -1090,7 +1094,7 @@ class CudaBackend:
                 ys = self.launch_matmul_q(self.launch_quantize_q8(x), [names[i] for i in idx], residual)
             elif self.contract == 2:   # one quantize_rowint for every float type
                 xr = self.launch_quantize_rowint(x) if xr is None else xr
-                ys = [self.launch_matmul_rowint(xr, names[i]) for i in idx]
+                ys = self.launch_matmul_rowint(xr, [names[i] for i in idx])
                 ys = ys if residual is None else [self.launch_residual_add(residual, ys[0])]
             else:            # one lane-major x for every float type
                 if xl is None:

@@ -4,11 +4,11 @@ cuda/matmul.cu quantize_rowint and matmul_rowint (docs/determinism.md section
 14) against node/reference.py quantize_rowint and matmul_rowint: for small and
 Llama-3.1-8B-shaped matrices and token counts that do and do not fill a tile,
 the input codes (packed), the scale exponents and the output bytes must be
-equal. Then each product of the 8B shape (Q/K/V, O, gate/up, down, LM head)
-is timed at batch 1, 8, 32 and 64 (quantize_rowint + matmul_rowint, CUDA
-events over repeated launches) beside torch's bf16 matmul (cuBLAS) of the same
-shape, and the products of a whole 32-layer step are summed. Exits 1 on any
-mismatch.
+equal, also for one launch of three matrices. Then each product of the 8B
+shape (Q/K/V, O, gate/up, down, LM head) is timed at batch 1, 8, 32 and 64
+(quantize_rowint + matmul_rowint, CUDA events over repeated launches) beside
+torch's bf16 matmul (cuBLAS) of the same shape, and the products of a whole
+32-layer step are summed. Exits 1 on any mismatch.
 
     python3 scripts/bench_rowint.py [--reps 20] [--out rowint_gpu.json]
 """
@@ -37,7 +37,8 @@ CHECKS = [((64, 96), (1, 3, 8)), ((48, 96), (1, 9, 17)), ((6144, 4096), (1, 5, 8
           ((64, 1184), (33,)),              # 37 k-steps (9, 9, 9, 10 per block)
           ((131136, 64), (1, 33)),          # N past 2^17: the largest grid of the checks
           ((70, 65504), (3, 40))]           # the largest K; with SATURATED values
-SATURATED = {(70, 65504)}  # weights and inputs of magnitude 1.999 (codes near their bounds), a sign per row
+SATURATED = {(70, 65504)}
+FUSED = [((300, 64, 1024), 608, (1, 40))]  # one launch of three matrices (the first not whole 64-row groups)  # weights and inputs of magnitude 1.999 (codes near their bounds), a sign per row
 
 
 class Rowint:
@@ -67,9 +68,17 @@ class Rowint:
         return px, sx
 
     def matmul(self, px, sx, pw, sw, m, n, k, y):
-        assert k % 32 == 0 and pw.shape == (-(-n // 64), k // 32, 2, 2048) and y.shape == (m, n)
-        self.mm(self.geo.grid(m, n), (self.geo.threads,),
-                (pw, sw, px, sx, y, np.int32(m), np.int32(n), np.int32(k)), shared_mem=self.geo.smem)
+        """One matrix's product (matmul_rowint's second and third matrices empty)."""
+        self.matmul_fused(px, sx, [(pw, sw, n, y)], m, k)
+
+    def matmul_fused(self, px, sx, mats, m, k):
+        """The products with 1-3 matrices ``(packed codes, exponents, N, y)`` of one K, one launch."""
+        assert k % 32 == 0 and 1 <= len(mats) <= 3
+        assert all(pw.shape == (-(-n // 64), k // 32, 2, 2048) and y.shape == (m, n) for pw, _, n, y in mats)
+        mats = list(mats) + [mats[0][:2] + (0, mats[0][3])] * (3 - len(mats))
+        self.mm(self.geo.grid(m, [n for _, _, n, _ in mats]), (self.geo.threads,),
+                (*(a[0] for a in mats), *(a[1] for a in mats), *(a[3] for a in mats),
+                 *(np.int32(a[2]) for a in mats), px, sx, np.int32(m), np.int32(k)), shared_mem=self.geo.smem)
 
 
 def weights_like(rng, n: int, k: int) -> np.ndarray:
@@ -115,6 +124,23 @@ def check(ri: Rowint, rng) -> list:
                    "differing": int(np.sum(got.view(np.uint32) != want.view(np.uint32)))}
             print(json.dumps(row), flush=True)
             out.append(row)
+    for ns, k, ms in FUSED:
+        ws = [ri.weights(weights_like(rng, n, k)) for n in ns]
+        for m in ms:
+            x = inputs_like(rng, m, k)
+            xr = ref.quantize_rowint(x, ref.X_CODE_BITS)
+            px, sx = ri.quantize(cp.asarray(x))
+            ys = [cp.empty((m, n), cp.float32) for n in ns]
+            ri.matmul_fused(px, sx, [(pw, sw, n, y) for ((pw, sw), _), n, y in zip(ws, ns, ys)], m, k)
+            codes = bool(np.array_equal(cp.asnumpy(px), pack_rowint_x(xr[0])))
+            exponents = bool(np.array_equal(cp.asnumpy(sx), xr[1]))
+            for i, (n, (_, wr), y) in enumerate(zip(ns, ws, ys)):
+                want, got = ref.matmul_rowint(xr, wr), cp.asnumpy(y)
+                row = {"n": n, "k": k, "m": m, "fused": f"{i + 1} of {len(ns)}", "codes": codes,
+                       "exponents": exponents, "output": got.tobytes() == want.tobytes(),
+                       "differing": int(np.sum(got.view(np.uint32) != want.view(np.uint32)))}
+                print(json.dumps(row), flush=True)
+                out.append(row)
     return out
 
 

@@ -373,19 +373,23 @@ def test_quantize_rowint_twin(backends_c2, m):
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16"])
 @pytest.mark.parametrize("m", [1, 5, 8, 17, 33])
 def test_matmul_rowint_twin(models, backends_c2, qtype, m):
-    """Every float matrix shape of the model (N not a multiple of a cluster's 64 rows:
-    the LM head's 300) against reference.matmul_rowint; NaN and inf rows give NaN."""
+    """Every float matrix shape of the model, alone and fused in one launch of two or three
+    (the LM head's 300 rows, not a multiple of a cluster's 64, first of three), against
+    reference.matmul_rowint; NaN and inf rows give NaN."""
     be, model = backends_c2[qtype], models[qtype]
     rng = np.random.default_rng(200 + m)
-    for name in ("blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "output.weight", "blk.0.attn_k.weight"):
-        t = model.tensors[name]
-        x = rowint_inputs(rng, m, t.cols)
-        codes, s = ref.quantize_rowint(float_values(t), ref.W_CODE_BITS)
-        want = ref.matmul_rowint(ref.quantize_rowint(x, ref.X_CODE_BITS), ref.RowintWeight(codes, s))
-        got = be.to_host(be.launch_matmul_rowint(be.launch_quantize_rowint(be.from_host(x)), name))
-        nan = np.isnan(want)
-        assert np.array_equal(nan, np.isnan(got)), name
-        assert_same(np.where(nan, 0, want), np.where(nan, 0, got), name)   # NaN bits differ by device
+    for names in (("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"), ("blk.0.ffn_down.weight",),
+                  ("output.weight", "blk.0.attn_k.weight", "blk.0.attn_q.weight")):
+        x = rowint_inputs(rng, m, model.tensors[names[0]].cols)
+        gots = be.launch_matmul_rowint(be.launch_quantize_rowint(be.from_host(x)), names)
+        assert len(gots) == len(names)
+        for name, got in zip(names, gots):
+            codes, s = ref.quantize_rowint(float_values(model.tensors[name]), ref.W_CODE_BITS)
+            want = ref.matmul_rowint(ref.quantize_rowint(x, ref.X_CODE_BITS), ref.RowintWeight(codes, s))
+            got = be.to_host(got)
+            nan = np.isnan(want)
+            assert np.array_equal(nan, np.isnan(got)), name
+            assert_same(np.where(nan, 0, want), np.where(nan, 0, got), name)   # NaN bits differ by device
 
 
 @pytest.mark.parametrize("shape,tied", [("smollm2", False), ("smollm2", True), ("llama-1b", False),
