@@ -19,6 +19,7 @@ from .keys import is_valid_public, key_id, public_raw
 
 MAGIC = "bitexact-attestation"
 FORMAT_VERSION = 1
+ENVELOPE_HEAD = b"\x95"   # the first byte of every envelope: canonical msgpack's fixarray of 5
 PAYLOAD_TYPE = "application/vnd.bitexact.attestation.v1+msgpack"
 # The envelope is one array of 5 scalars; decoding stops past this many arrays and maps
 # (the envelope and one in place of each element, which the check of that element names).
@@ -59,6 +60,10 @@ def open_envelope(data: bytes, trusted_key: bytes | None = None) -> dict:
     bytes, then payload decoding and schema, then that the payload names the
     envelope's signer. Raises :class:`AttestationError`.
     """
+    if data[:1] not in (b"", ENVELOPE_HEAD):   # JSON, base64, gzip, another format: not read as msgpack
+        as_json = data.lstrip()[:1] == b"{"
+        raise AttestationError("not a bitexact attestation" + (" (this is JSON: verify and inspect read the "
+                               "msgpack file, application/msgpack)" if as_json else ""))
     try:
         env = canonical.decode(data, "attestation file", max_containers=ENVELOPE_CONTAINERS)
     except canonical.LimitError:

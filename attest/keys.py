@@ -151,13 +151,15 @@ def load_private(path: str, passphrase: bytes | None = None, require_private_mod
 def load_public(path: str) -> bytes:
     """Raw 32-byte public key from a PEM SubjectPublicKeyInfo file.
 
-    Raises :class:`KeyError_` when unreadable or not a regular file, not Ed25519, or a weak key
-    (:func:`is_valid_public`).
+    Raises :class:`KeyError_` when unreadable or not a regular file, holding more than
+    one PEM block (a bundle), not Ed25519, or a weak key (:func:`is_valid_public`).
     """
     try:
         data = read_regular(path, 1 << 16)
     except OSError as e:
         raise KeyError_(f"cannot read public key {path}: {e.strerror}") from None
+    if data.count(b"-----BEGIN ") > 1:   # the loader would take the first block alone
+        raise KeyError_(f"{path} holds {data.count(b'-----BEGIN ')} PEM blocks: give one public key")
     try:
         pub = serialization.load_pem_public_key(data)
     except Exception:

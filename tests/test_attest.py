@@ -7,8 +7,11 @@ tests/test_cli.py reuses the same attestation through :func:`artifact`.
 
 from __future__ import annotations
 
+import base64
 import copy
+import gzip
 import hashlib
+import json
 import os
 import random
 import re
@@ -180,6 +183,38 @@ def test_weak_public_keys_are_refused(art, tmp_path, name):
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     with pytest.raises(KeyError_, match="weak Ed25519 key"):
         keys.load_public(str(pem))
+
+
+
+def test_a_key_bundle_is_refused(art, tmp_path):
+    """A --trusted-key file holding two PEM public keys is refused: the loader would
+    trust the first alone. One key with explanatory text around it (RFC 7468) loads."""
+    one = open(art.pub, "rb").read()
+    other = Ed25519PrivateKey.generate().public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    bundle = tmp_path / "two.pub.pem"
+    bundle.write_bytes(one + other)
+    with pytest.raises(KeyError_, match="holds 2 PEM blocks: give one public key$"):
+        keys.load_public(str(bundle))
+    noted = tmp_path / "noted.pub.pem"
+    noted.write_bytes(b"the node's key\n" + one + b"\n")
+    assert keys.load_public(str(noted)) == keys.load_public(art.pub)
+
+
+def test_the_json_form_and_other_formats_are_named_not_an_attestation(art):
+    """Files that cannot start an envelope (its first byte is canonical msgpack's
+    fixarray of 5) are refused before decoding: the daemon's JSON form says it is
+    JSON, base64 and gzip of the file are not attestations. A positive fixint first
+    byte ('{', letters) had read as "bytes follow the end of its first value"."""
+    doc = json.dumps({"id": "x", "payload_msgpack_b64": base64.b64encode(art.data).decode()}).encode()
+    for data in (doc, b"\n  " + doc):
+        with pytest.raises(AttestationError, match=r"^not a bitexact attestation \(this is JSON: verify and "
+                                                   r"inspect read the msgpack file, application/msgpack\)$"):
+            envelope.open_envelope(data)
+    for data in (base64.b64encode(art.data), gzip.compress(art.data), b"\x94" + art.data[1:]):
+        with pytest.raises(AttestationError, match="^not a bitexact attestation$"):
+            envelope.open_envelope(data)
+    assert art.data[:1] == envelope.ENVELOPE_HEAD and envelope.open_envelope(art.data) == art.payload
 
 
 # --------------------------------------------------------------------------
