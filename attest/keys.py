@@ -158,8 +158,9 @@ def load_public(path: str) -> bytes:
         data = read_regular(path, 1 << 16)
     except OSError as e:
         raise KeyError_(f"cannot read public key {path}: {e.strerror}") from None
-    if data.count(b"-----BEGIN ") > 1:   # the loader would take the first block alone
-        raise KeyError_(f"{path} holds {data.count(b'-----BEGIN ')} PEM blocks: give one public key")
+    blocks = data.count(b"-----BEGIN ")
+    if blocks > 1:   # the loader would take the first block alone
+        raise KeyError_(f"{path} holds {blocks} PEM blocks: give one public key")
     try:
         pub = serialization.load_pem_public_key(data)
     except Exception:

@@ -37,8 +37,8 @@ CHECKS = [((64, 96), (1, 3, 8)), ((48, 96), (1, 9, 17)), ((6144, 4096), (1, 5, 8
           ((64, 1184), (33,)),              # 37 k-steps (9, 9, 9, 10 per block)
           ((131136, 64), (1, 33)),          # N past 2^17: the largest grid of the checks
           ((70, 65504), (3, 40))]           # the largest K; with SATURATED values
-SATURATED = {(70, 65504)}
-FUSED = [((300, 64, 1024), 608, (1, 40))]  # one launch of three matrices (the first not whole 64-row groups)  # weights and inputs of magnitude 1.999 (codes near their bounds), a sign per row
+SATURATED = {(70, 65504)}  # weights and inputs of magnitude 1.999 (codes near their bounds), a sign per row
+FUSED = [((300, 64, 1024), 608, (1, 40))]  # one launch of three matrices (the first not whole 64-row groups)
 
 
 class Rowint:
