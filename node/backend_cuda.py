@@ -638,7 +638,8 @@ class CudaBackend:
         return float_values(self.model.tensors[name])[0]
 
     def device_record(self) -> dict:
-        """GPU name, compute capability, driver, CUDA driver/runtime API and CuPy versions (read once)."""
+        """GPU name, compute capability, driver (NVML, nvidia-ml-py; "unknown" where NVML
+        cannot be read), CUDA driver/runtime API and CuPy versions (read once)."""
         if self._device_record is None:
             cp = self.cp
             rec = {"gpu": self.gpu_name, "compute_capability": self.cc,

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PY=${DEVICE_PYTHON:-3.12}
 [ -x .venv/bin/python ] || { echo "device_wheels: run scripts/setup.sh first (no .venv)" >&2; exit 2; }
 PKGS=(gguf cryptography pynacl cffi pycparser diskcache openai httpx2 httpcore2 truststore h11 idna anyio jiter pydantic pydantic-core
-      sniffio typing-inspection annotated-types typing-extensions werkzeug)
+      sniffio typing-inspection annotated-types typing-extensions werkzeug nvidia-ml-py)
 pins=()
 for p in "${PKGS[@]}"; do
     v=$(.venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p" 2>/dev/null) \

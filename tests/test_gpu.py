@@ -7,6 +7,7 @@ default model are also marked ``default_model``.
 
 import hashlib
 import os
+import re
 
 import numpy as np
 import pytest
@@ -66,6 +67,7 @@ def test_gpu_pinned_and_recorded(models):
         CudaBackend(models["Q8_0"], pin="Some Other GPU", kv_pages=8)
     rec = CudaBackend(models["Q8_0"], kv_pages=8).device_record()   # default pin: this GPU
     assert rec["gpu"] == "NVIDIA H200" and rec["compute_capability"] == "9.0"
+    assert re.fullmatch(r"\d+(\.\d+)+", rec["driver"]), rec   # read through NVML (nvidia-ml-py)
 
 
 def test_launch_refusals_are_clear_errors(backends):
