@@ -538,6 +538,17 @@ def test_device_cuda_without_a_usable_gpu_is_one_error_line(art, cwd, command):
     assert listing(cwd) == []
 
 
+@pytest.mark.skipif(_usable_gpu(), reason="this machine has a usable GPU")
+def test_device_auto_without_a_usable_gpu_runs_on_the_cpu(art, cwd):
+    """run's default --device auto where CuPy is missing or sees no GPU: the CPU engine
+    runs the request and the attestation says so (tests/test_gpu.py checks the GPU side)."""
+    p = bx(cwd, "run", "--key", art.key, "--prompt", "hi", "--max-tokens", "1", "--attestation", "a.bxa")
+    assert p.returncode == 0, p.stderr
+    with open(cwd / "a.bxa", "rb") as f:
+        payload = envelope.open_envelope(f.read(), keys.load_public(art.pub))
+    assert payload["backend"] == "cpu" and set(payload["device"]) == {"cpu", "machine", "python"}
+
+
 def test_run_chat_text_that_is_not_a_json_list_is_one_user_message(art, cwd):
     """--chat "[citation needed] ..." is not JSON: it is sent as one user message."""
     text = "[citation needed] What does this tag mean?"

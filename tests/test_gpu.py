@@ -68,6 +68,8 @@ def test_gpu_pinned_and_recorded(models):
     rec = CudaBackend(models["Q8_0"], kv_pages=8).device_record()   # default pin: this GPU
     assert rec["gpu"] == "NVIDIA H200" and rec["compute_capability"] == "9.0"
     assert re.fullmatch(r"\d+(\.\d+)+", rec["driver"]), rec   # read through NVML (nvidia-ml-py)
+    from node.cli import resolve_device
+    assert resolve_device("auto") == "cuda"   # --device auto (tests/test_cli.py: the CPU side)
 
 
 def test_launch_refusals_are_clear_errors(backends):
