@@ -646,6 +646,52 @@ def test_a_failed_graph_capture_keeps_no_graph(models):
     assert_same(outs[1], outs[0], "after a failed capture")
 
 
+def test_out_of_memory_mid_step_fails_that_step_only(models, monkeypatch):
+    """An out-of-memory error half-way through a step's launches (its allocations counted on
+    a step of the same shape, then the middle one failed) is one GpuError for that step;
+    the sequence in it and the one beside it keep their KV cache: going on, both give the
+    CPU engine's bytes."""
+    import cupy
+    from node.backend_cuda import GpuError
+    model = models["Q8_0"]
+    toks_a, toks_d, toks_b = list(range(1, 40)), list(range(50, 90)), list(range(100, 130))
+    want_a, want_d = (step_logits(Engine(model, "cpu"), t, 3) for t in (toks_a, toks_d))
+    eng = Engine(model, "cuda", pin=None, kv_pages=16, graphs=False)   # eager: each launch allocates
+    real, calls, fail_at = cupy.empty, [0], [None]
+
+    def counting(*args, **kw):
+        calls[0] += 1
+        if calls[0] == fail_at[0]:
+            raise cupy.cuda.memory.OutOfMemoryError(1 << 40, 0)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cupy, "empty", counting)
+    x, y = eng.new_sequence(), eng.new_sequence()   # the failing step's shape, counted
+    eng.forward([(x, toks_a)])
+    calls[0] = 0
+    eng.forward([(x, [7]), (y, toks_b)])
+    per_step = calls[0]
+    eng.release(x)
+    eng.release(y)
+    a, d, b = eng.new_sequence(), eng.new_sequence(), eng.new_sequence()
+    got_a = [eng.forward([(a, toks_a)], all_logits=True)[0]]
+    got_d = [eng.forward([(d, toks_d)], all_logits=True)[0]]
+    calls[0], fail_at[0] = 0, per_step // 2
+    assert per_step >= 20, per_step
+    with pytest.raises(GpuError, match="out of GPU memory"):
+        eng.forward([(a, [int(np.argmax(got_a[-1][-1]))]), (b, toks_b)])
+    assert calls[0] == per_step // 2
+    monkeypatch.undo()
+    eng.release(b)
+    for _ in range(3):
+        la, ld = eng.forward([(a, [int(np.argmax(got_a[-1][-1]))]), (d, [int(np.argmax(got_d[-1][-1]))])],
+                             all_logits=True)
+        got_a.append(la)
+        got_d.append(ld)
+    assert_same(want_a, np.concatenate(got_a), "the failed step's sequence")
+    assert_same(want_d, np.concatenate(got_d), "the sequence beside it")
+
+
 def test_kv_out_of_pages_fails_cleanly(models):
     """A step that cannot get KV pages fails before computing; other sequences are intact."""
     from node.backend_cuda import GpuError
