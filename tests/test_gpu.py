@@ -72,6 +72,19 @@ def test_gpu_pinned_and_recorded(models):
     assert resolve_device("auto") == "cuda"   # --device auto (tests/test_cli.py: the CPU side)
 
 
+def test_unsupported_gpu_and_out_of_memory_at_load_are_gpu_errors(models, monkeypatch):
+    """A GPU of another compute capability (its properties faked) and a KV cache larger
+    than the GPU's memory are one GpuError each (the CLI's exit code 2)."""
+    import cupy
+    from node.backend_cuda import CudaBackend, GpuError
+    with pytest.raises(GpuError, match="out of GPU memory while loading the model"):
+        CudaBackend(models["Q8_0"], pin=None, kv_pages=1 << 22)   # 2 TiB of pages
+    real = cupy.cuda.runtime.getDeviceProperties
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceProperties", lambda d: {**real(d), "major": 8, "minor": 9})
+    with pytest.raises(GpuError, match="compute capability 8.9"):
+        CudaBackend(models["Q8_0"], pin=None, kv_pages=8)
+
+
 def test_launch_refusals_are_clear_errors(backends):
     """PdlKernel: an argument of an unsupported type is a TypeError before the
     launch; a launch the driver refuses (1025 threads per block) is a GpuError."""
