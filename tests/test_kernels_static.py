@@ -128,15 +128,20 @@ def test_nvcc_no_spills_no_atomic_instructions(tmp_path, name, defines):
     r = subprocess.run([NVCC, "-cubin", *NVCC_OPTS, *defines, "-Xptxas", "-v", "-I", CUDA, "-o", str(cubin), src],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-    assert spills and all(s == ("0", "0") for s in spills), r.stderr
-    assert "stack frame" not in r.stderr or re.findall(r"(\d+) bytes stack frame", r.stderr) == \
-        ["0"] * len(re.findall(r"(\d+) bytes stack frame", r.stderr)), r.stderr
+    _assert_no_spills(r.stderr)
     r = subprocess.run([NVCC, "-ptx", *NVCC_OPTS, *defines, "-I", CUDA, "-o", str(ptx), src], capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr
     assert not re.search(r"\b(atom|red)\.", ptx.read_text())
     _assert_sass_atomic_free(_sass(cubin))
+
+
+def _assert_no_spills(ptxas_log: str):
+    """ptxas -v reported every function, with no spill stores or loads and no stack frame."""
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
+    assert spills and all(s == ("0", "0") for s in spills), ptxas_log
+    frames = re.findall(r"(\d+) bytes stack frame", ptxas_log)
+    assert all(f == "0" for f in frames), ptxas_log
 
 
 def _sass(cubin) -> str:
@@ -182,11 +187,51 @@ def test_nvrtc_cubins_are_atomic_free_wait_first_without_local_memory(tmp_path, 
     sass = _sass(cubin)
     _assert_sass_atomic_free(sass)
     _assert_sass_waits_first(sass)
+    _assert_no_local_memory(cubin)
+
+
+def _assert_no_local_memory(cubin):
+    """cuobjdump -res-usage lists every function with no stack and no local memory."""
     tool, env = _cuobjdump_env()
     res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, env=env)
     usage = re.findall(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res.stdout)
     assert res.returncode == 0 and usage, res.stdout + res.stderr
     assert all(stack == "0" and local == "0" for _, _, stack, local in usage), usage
+
+
+# a kernel that needs local memory: an array written at indices known only at run time
+PLANTED_LOCAL = ('extern "C" __global__ void k(float* o, int i) { float a[64]; '
+                 'for (int j = 0; j < 64; ++j) a[j] = o[j]; '
+                 'for (int j = 0; j < 64; ++j) a[(j * i) & 63] += a[j]; o[0] = a[i & 63]; }')
+# a kernel that spills under a cap of 16 registers: 48 values live at once
+PLANTED_SPILL = ('extern "C" __global__ void k(float* o) { float v[48], s = 0.0f;\n'
+                 '#pragma unroll\nfor (int j = 0; j < 48; ++j) v[j] = o[j * 977 + threadIdx.x];\n'
+                 '#pragma unroll\nfor (int j = 0; j < 48; ++j) s += v[j] * v[47 - j] * v[(j * 5) % 48];\n'
+                 'o[threadIdx.x] = s; }')
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("src, opts, needle", [(PLANTED_LOCAL, (), "stack frame"),
+                                               (PLANTED_SPILL, ("-maxrregcount=16",), "spill stores")])
+def test_the_spill_check_catches_planted_local_memory(tmp_path, src, opts, needle):
+    """The nvcc check can fail: a stack frame and spills are flagged."""
+    path = tmp_path / "planted.cu"
+    path.write_text(src)
+    r = subprocess.run([NVCC, "-cubin", *NVCC_OPTS, *opts, "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
+                        str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert re.search(rf"[1-9]\d* bytes {needle}", r.stderr), r.stderr
+    log = r.stderr if needle == "stack frame" else re.sub(r"\d+ bytes stack frame, ", "", r.stderr)
+    with pytest.raises(AssertionError):   # for the spills, with the stack frame taken out of the log
+        _assert_no_spills(log)
+
+
+def test_the_local_memory_check_catches_a_planted_array(tmp_path):
+    """The node's build path check can fail: a kernel with local memory is flagged."""
+    cubin = tmp_path / "planted.cubin"
+    cubin.write_bytes(_nvrtc_compile("planted.cu", PLANTED_LOCAL, ""))
+    with pytest.raises(AssertionError):
+        _assert_no_local_memory(cubin)
 
 
 @pytest.mark.parametrize("body", ["o[0] = 1.0f; bx_pdl_wait();", "if (o[1] > 0.0f) return; bx_pdl_wait(); o[0] = 1.0f;",
