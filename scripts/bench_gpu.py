@@ -20,7 +20,9 @@ section 14; other bytes, attested as contract 2).
 
 ``--layers`` truncates the 8B Llama shape to its first N layers (full vocab)
 to fit the device time of one run; every figure of a row uses the same
-truncated shape, so the ratios are like for like.
+truncated shape, so the ratios are like for like. Writing the 32-layer BF16
+model takes 150-210 s; ``--model-dir`` keeps it for the next run on the same
+machine.
 
 ``--tp N``: tensor parallelism instead. For the 8B and 70B Llama shapes in
 BF16 (truncated to ``--tp-layers`` layers each), at each degree 1, 2, ..., N:
@@ -33,6 +35,7 @@ down, all-gather of the vocabulary-split logits, CUDA graphs).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -42,7 +45,8 @@ import traceback
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 HBM_BYTES_PER_S = 4.3e12
 BATCHES = (1, 8, 32, 64)
@@ -377,6 +381,16 @@ def main_tp(args) -> int:
     return 0
 
 
+def synth_tag() -> str:
+    """12 hex digits of the SHA-256 of node/synth.py and the gguf package's version: what,
+    with the name's shape, type, layers and seed, fixes a synthetic model's bytes."""
+    import importlib.metadata
+
+    with open(os.path.join(ROOT, "node", "synth.py"), "rb") as f:
+        src = f.read()
+    return hashlib.sha256(src + importlib.metadata.version("gguf").encode()).hexdigest()[:12]
+
+
 def save_json(path: str, results: dict) -> None:
     """Write the results so far to ``path`` (temp file, fsync, rename)."""
     from attest.atomic import atomic_write
@@ -404,6 +418,9 @@ def main() -> int:
     ap.add_argument("--tp-layers", type=int, nargs=2, default=(4, 2), metavar=("L8B", "L70B"),
                     help="layers of the 8B and 70B shapes for --tp (default 4 2)")
     ap.add_argument("--sampler", action="store_true", help="only the sampler: GPU against host draws")
+    ap.add_argument("--model-dir", help="keep the synthetic 8B models in this folder and reuse the ones a run "
+                    "with the same layers, node/synth.py and gguf wrote there (default: a temporary folder, "
+                    "each model deleted after its sections)")
     args = ap.parse_args()
     if args.tp:
         return main_tp(args)
@@ -428,14 +445,19 @@ def main() -> int:
             models.append(("smollm2-135m-q4_1", load_model(args.default_model or default_model_path())))
         except Exception as e:
             results["smollm2-135m-q4_1"] = {"error": str(e)}
-    tmp = tempfile.mkdtemp()
+    tmp = args.model_dir or tempfile.mkdtemp()
+    os.makedirs(tmp, exist_ok=True)
     for qt in ("BF16", "Q4_K"):
         name = f"llama-8b-{args.layers}L-{qt.lower()}"
         if name in args.skip:
             continue
-        t0 = time.perf_counter()
-        path = write_model(os.path.join(tmp, f"{name}.gguf"), "llama-8b", qt, seed=1, n_layer=args.layers)
-        print(f"wrote {name} in {time.perf_counter() - t0:.0f}s", flush=True)
+        path = os.path.join(tmp, f"{name}-{synth_tag()}.gguf")
+        if os.path.exists(path):
+            print(f"reusing {path}", flush=True)
+        else:
+            t0 = time.perf_counter()
+            os.replace(write_model(path + ".part", "llama-8b", qt, seed=1, n_layer=args.layers), path)
+            print(f"wrote {name} in {time.perf_counter() - t0:.0f}s", flush=True)
         models.append((name, load_model(path)))
     for name, model in models:
         if "contract1" not in args.skip:
@@ -453,7 +475,7 @@ def main() -> int:
         if "torch" not in args.skip:
             run_section(results, name + "/torch-cublas-graphs-bf16", bench_torch_graphs, model.hparams)
             save_json(args.out, results)
-        if model.path.startswith(tmp):
+        if model.path.startswith(tmp) and not args.model_dir:
             os.unlink(model.path)
     save_json(args.out, results)
     return 0
