@@ -448,19 +448,20 @@ def test_real_shapes_equal_reference(tmp_path, shape, qtype):
         assert_same(cpu, gpu, f"logits, one launch {one_launch}")
 
 
-@pytest.mark.parametrize("qtype, contract", [("Q4_1", 1), ("BF16", 1), ("BF16", 2)])
-def test_batches_1_to_64_chunked_and_prefix_reuse(models, qtype, contract):
+@pytest.mark.parametrize("qtype, contract, one_launch", [("Q4_1", 1, False), ("BF16", 1, True), ("BF16", 1, False),
+                                                        ("BF16", 2, False)])
+def test_batches_1_to_64_chunked_and_prefix_reuse(models, qtype, contract, one_launch):
     """Random batches of 1..64 sequences, random prefill chunks, token-by-token
     prefill and prefix reuse: every target's logits equal its solo GPU and CPU bytes
-    (Q4_1: the per-op kernels; BF16: each step in one launch, cuda/step.cu, against
-    the CPU for the first 4 sequences of a trial, whose numpy twin is slow, and
-    against solo runs of the per-op kernels for the others; BF16 under contract 2:
-    the per-op kernels, all against the CPU)."""
+    (Q4_1: the per-op kernels; BF16: the per-op kernels, or each step in one launch,
+    cuda/step.cu, against the CPU for the first 4 sequences of a trial, whose numpy
+    twin is slow, and against solo runs of the per-op kernels for the others; BF16
+    under contract 2: the per-op kernels, all against the CPU)."""
     model = models[qtype]
     cpu_seqs = 4 if (qtype, contract) == ("BF16", 1) else 64
     rng = np.random.default_rng(77)
-    gpu = Engine(model, "cuda", pin=None, kv_pages=1024, one_launch=contract == 1, contract=contract)
-    assert (gpu.backend.step is None) == (qtype == "Q4_1" or contract == 2)
+    gpu = Engine(model, "cuda", pin=None, kv_pages=1024, one_launch=one_launch, contract=contract)
+    assert (gpu.backend.step is None) == (not one_launch)
     gpu_solo = Engine(model, "cuda", pin=None, kv_pages=8)   # BF16: the per-op kernels
     solo = {}
     for trial in range(12):
