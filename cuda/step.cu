@@ -54,6 +54,8 @@
 
 static_assert(ST_H * ST_HD == ST_D && ST_D % 256 == 0 && ST_F % 256 == 0, "V = 8 lane chunks of D and F");
 static_assert(ST_HD % 32 == 0 && ST_HD <= 128 && ST_H % ST_HKV == 0 && ST_G <= ST_WARPS, "heads");
+// a lane holds ST_G * ST_QE values of q in st_attention: more spills registers (ptxas -v)
+static_assert(ST_G * ST_QE <= 32, "heads: query values per lane");
 static_assert(ST_WT == BX_F16 || ST_WT == BX_BF16, "2-byte float weights");
 
 // Down's K-slice: the largest number of chunk steps <= 7 that divides F / 256.

@@ -57,13 +57,15 @@ def step_defines(model: Model) -> tuple[str, ...] | None:
     kernels). It fits when every layer matrix and the LM head is F16, or every one
     is BF16, ``n_head * head_dim == n_embd <= 4096``, ``n_embd`` and ``n_ff`` are
     multiples of 256 (lane-major chunks of 8), ``head_dim`` is a multiple of 32 up
-    to 128 and at most 16 query heads share a KV head. A choice by the model alone."""
+    to 128, at most 16 query heads share a KV head and a lane holds at most 32 of
+    their query values (heads per KV head × head_dim / 32; beyond it the attention
+    phase spills registers). A choice by the model alone."""
     hp = model.hparams
     names = [f"blk.{i}.{n}.weight" for i in range(hp.n_layer) for n in STEP_MATS] + [model.output.name]
     types = {model.tensors[n].qtype for n in names}
     d, f, hd, h, hkv = hp.n_embd, hp.n_ff, hp.head_dim, hp.n_head, hp.n_head_kv
     if len(types) != 1 or not types <= {"F16", "BF16"} or h * hd != d or d > 4096 or d % 256 or f % 256 \
-            or hd % 32 or hd > 128 or h % hkv or h // hkv > ST_WARPS:
+            or hd % 32 or hd > 128 or h % hkv or h // hkv > ST_WARPS or h // hkv * (hd // 32) > 32:
         return None
     return (f"-DST_D={d}", f"-DST_F={f}", f"-DST_HD={hd}", f"-DST_H={h}", f"-DST_HKV={hkv}",
             f"-DST_WT={QTYPE_IDS[types.pop()]}")

@@ -304,6 +304,11 @@ def test_step_defines_choose_by_the_model_alone(tmp_path):
     # n_embd 576 (SmolLM2): not a multiple of 256, so no lane chunks of 8
     smol = load_model(write_model(str(tmp_path / "s.gguf"), (576, 1, 9, 3, 1536, 300), "BF16", seed=1))
     assert step_defines(smol) is None
+    # 8 query heads of head_dim 128 on a KV head fit (32 query values per lane); 16 do not
+    for kv_heads, fits in ((2, True), (1, False)):
+        m = load_model(write_model(str(tmp_path / f"g{kv_heads}.gguf"), (2048, 1, 16, kv_heads, 512, 300), "BF16",
+                                   seed=1))
+        assert (step_defines(m) is not None) == fits, kv_heads
 
 
 def test_step_phases_read_the_stamps_of_one_launch():

@@ -112,10 +112,15 @@ def test_no_atomics_in_source(name):
 
 
 # cuda/step.cu is compiled for each model's dimensions (node/backend_cuda.py step_defines):
-# its defaults (Llama-3.1-8B, BF16), the GPU tests' small shape in F16, Llama-3.2-1B in BF16;
-# and the defaults with the phase stamps of scripts/profile_step.py --one-launch
+# its defaults (Llama-3.1-8B, BF16), the GPU tests' small shape in F16, Llama-3.2-1B in BF16,
+# edges step_defines accepts (F16 with 8 query heads of head_dim 128 on a KV head, BF16 with
+# 16 of head_dim 64, BF16 multi-head with head_dim 32); and the defaults with the phase stamps
+# of scripts/profile_step.py --one-launch
 STEP_SHAPES = [(), ("-DST_D=256", "-DST_F=512", "-DST_HD=64", "-DST_H=4", "-DST_HKV=2", "-DST_WT=1"),
                ("-DST_D=2048", "-DST_F=8192", "-DST_HD=64", "-DST_H=32", "-DST_HKV=8", "-DST_WT=2"),
+               ("-DST_D=4096", "-DST_F=14336", "-DST_HD=128", "-DST_H=32", "-DST_HKV=4", "-DST_WT=1"),
+               ("-DST_D=4096", "-DST_F=11008", "-DST_HD=64", "-DST_H=64", "-DST_HKV=4", "-DST_WT=2"),
+               ("-DST_D=1024", "-DST_F=2816", "-DST_HD=32", "-DST_H=32", "-DST_HKV=32", "-DST_WT=2"),
                ("-DST_TIMES=1",)]
 BUILDS = [(n, ()) for n in KERNEL_FILES] + [(STEP_FILE, d) for d in STEP_SHAPES]
 
@@ -256,6 +261,16 @@ def test_the_sass_check_catches_planted_atomics(tmp_path, body):
     sass = _sass(cubin)
     with pytest.raises(AssertionError):
         _assert_sass_atomic_free(sass)
+
+
+def test_step_refuses_heads_that_would_spill():
+    """cuda/step.cu refuses at compile time the head grouping step_defines refuses
+    (16 query heads of head_dim 128 on a KV head: 64 query values per lane, which spill)."""
+    with open(os.path.join(CUDA, STEP_FILE)) as f, open(os.path.join(CUDA, "common.cuh")) as h:
+        src, header = f.read(), h.read()
+    defines = ("-DST_D=4096", "-DST_F=14336", "-DST_HD=128", "-DST_H=32", "-DST_HKV=2", "-DST_WT=1")
+    with pytest.raises(GpuError, match="query values per lane"):
+        _nvrtc_compile(STEP_FILE, src, header, COMPILE_OPTIONS + defines)
 
 
 def test_nvrtc_compile_error_is_one_gpu_error_line():
