@@ -382,13 +382,15 @@ def main_tp(args) -> int:
 
 
 def synth_tag() -> str:
-    """12 hex digits of the SHA-256 of node/synth.py and the gguf package's version: what,
-    with the name's shape, type, layers and seed, fixes a synthetic model's bytes."""
+    """12 hex digits of the SHA-256 of node/synth.py and the gguf and numpy versions (the
+    writer and the random streams): what, with the name's shape, type, layers and seed,
+    fixes a synthetic model's bytes."""
     import importlib.metadata
 
     with open(os.path.join(ROOT, "node", "synth.py"), "rb") as f:
         src = f.read()
-    return hashlib.sha256(src + importlib.metadata.version("gguf").encode()).hexdigest()[:12]
+    versions = " ".join(importlib.metadata.version(p) for p in ("gguf", "numpy"))
+    return hashlib.sha256(src + versions.encode()).hexdigest()[:12]
 
 
 def save_json(path: str, results: dict) -> None:
@@ -419,7 +421,7 @@ def main() -> int:
                     help="layers of the 8B and 70B shapes for --tp (default 4 2)")
     ap.add_argument("--sampler", action="store_true", help="only the sampler: GPU against host draws")
     ap.add_argument("--model-dir", help="keep the synthetic 8B models in this folder and reuse the ones a run "
-                    "with the same layers, node/synth.py and gguf wrote there (default: a temporary folder, "
+                    "with the same layers, node/synth.py, gguf and numpy wrote there (default: a temporary folder, "
                     "each model deleted after its sections)")
     args = ap.parse_args()
     if args.tp:

@@ -663,8 +663,8 @@ def test_a_failed_graph_capture_keeps_no_graph(models):
 def test_out_of_memory_mid_step_fails_that_step_only(models, monkeypatch):
     """An out-of-memory error half-way through a step's launches (its allocations counted on
     a step of the same shape, then the middle one failed) is one GpuError for that step;
-    the sequence in it and the one beside it keep their KV cache: going on, both give the
-    CPU engine's bytes."""
+    a sequence that was in it and one that was not keep their lengths and KV cache: going
+    on, both give the CPU engine's bytes."""
     import cupy
     from node.backend_cuda import GpuError
     model = models["Q8_0"]
@@ -695,6 +695,7 @@ def test_out_of_memory_mid_step_fails_that_step_only(models, monkeypatch):
     with pytest.raises(GpuError, match="out of GPU memory"):
         eng.forward([(a, [int(np.argmax(got_a[-1][-1]))]), (b, toks_b)])
     assert calls[0] == per_step // 2
+    assert (eng.length(a), eng.length(d)) == (len(toks_a), len(toks_d))
     monkeypatch.undo()
     eng.release(b)
     for _ in range(3):

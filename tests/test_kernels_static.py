@@ -144,9 +144,9 @@ def test_nvcc_no_spills_no_atomic_instructions(tmp_path, name, defines):
 def _assert_no_spills(ptxas_log: str):
     """ptxas -v reported every function, with no spill stores or loads and no stack frame."""
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
-    assert spills and all(s == ("0", "0") for s in spills), ptxas_log
-    frames = re.findall(r"(\d+) bytes stack frame", ptxas_log)
-    assert all(f == "0" for f in frames), ptxas_log
+    assert spills, f"no ptxas -v report: {ptxas_log}"
+    assert all(s == ("0", "0") for s in spills), f"register spills: {ptxas_log}"
+    assert all(f == "0" for f in re.findall(r"(\d+) bytes stack frame", ptxas_log)), f"stack frame: {ptxas_log}"
 
 
 def _sass(cubin) -> str:
@@ -192,16 +192,21 @@ def test_nvrtc_cubins_are_atomic_free_wait_first_without_local_memory(tmp_path, 
     sass = _sass(cubin)
     _assert_sass_atomic_free(sass)
     _assert_sass_waits_first(sass)
-    _assert_no_local_memory(cubin)
+    _assert_no_local_memory(_res_usage(cubin))
 
 
-def _assert_no_local_memory(cubin):
-    """cuobjdump -res-usage lists every function with no stack and no local memory."""
+def _res_usage(cubin) -> list[tuple[str, str, str, str]]:
+    """(function, registers, stack bytes, local bytes) of each function, from cuobjdump -res-usage."""
     tool, env = _cuobjdump_env()
     res = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, env=env)
     usage = re.findall(r"Function (\w+):\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res.stdout)
     assert res.returncode == 0 and usage, res.stdout + res.stderr
-    assert all(stack == "0" and local == "0" for _, _, stack, local in usage), usage
+    return usage
+
+
+def _assert_no_local_memory(usage):
+    """Every function of :func:`_res_usage` has no stack and no local memory."""
+    assert all(stack == "0" and local == "0" for _, _, stack, local in usage), f"local memory: {usage}"
 
 
 # a kernel that needs local memory: an array written at indices known only at run time
@@ -216,9 +221,10 @@ PLANTED_SPILL = ('extern "C" __global__ void k(float* o) { float v[48], s = 0.0f
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("src, opts, needle", [(PLANTED_LOCAL, (), "stack frame"),
-                                               (PLANTED_SPILL, ("-maxrregcount=16",), "spill stores")])
-def test_the_spill_check_catches_planted_local_memory(tmp_path, src, opts, needle):
+@pytest.mark.parametrize("src, opts, needle, flag", [(PLANTED_LOCAL, (), "stack frame", "stack frame"),
+                                                     (PLANTED_SPILL, ("-maxrregcount=16",), "spill stores",
+                                                      "register spills")])
+def test_the_spill_check_catches_planted_spills_and_stack_frames(tmp_path, src, opts, needle, flag):
     """The nvcc check can fail: a stack frame and spills are flagged."""
     path = tmp_path / "planted.cu"
     path.write_text(src)
@@ -226,17 +232,18 @@ def test_the_spill_check_catches_planted_local_memory(tmp_path, src, opts, needl
                         str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert re.search(rf"[1-9]\d* bytes {needle}", r.stderr), r.stderr
-    log = r.stderr if needle == "stack frame" else re.sub(r"\d+ bytes stack frame, ", "", r.stderr)
-    with pytest.raises(AssertionError):   # for the spills, with the stack frame taken out of the log
-        _assert_no_spills(log)
+    with pytest.raises(AssertionError, match=flag):
+        _assert_no_spills(r.stderr)
 
 
 def test_the_local_memory_check_catches_a_planted_array(tmp_path):
     """The node's build path check can fail: a kernel with local memory is flagged."""
     cubin = tmp_path / "planted.cubin"
     cubin.write_bytes(_nvrtc_compile("planted.cu", PLANTED_LOCAL, ""))
-    with pytest.raises(AssertionError):
-        _assert_no_local_memory(cubin)
+    usage = _res_usage(cubin)
+    assert any(stack != "0" or local != "0" for _, _, stack, local in usage), usage
+    with pytest.raises(AssertionError, match="local memory"):
+        _assert_no_local_memory(usage)
 
 
 @pytest.mark.parametrize("body", ["o[0] = 1.0f; bx_pdl_wait();", "if (o[1] > 0.0f) return; bx_pdl_wait(); o[0] = 1.0f;",
