@@ -511,6 +511,32 @@ def default_model():
 
 
 @pytest.mark.default_model
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_cli_refuses_a_gpu_other_than_its_pin(default_model, tmp_path, command):
+    """`run` and `serve` with --device cuda on a GPU other than --pin: exit 2, one error
+    line naming the pin, nothing written; `run --pin ''` accepts this GPU and records it."""
+    from test_attest import assert_input_error, bx
+
+    from attest import envelope, keys
+    assert bx(tmp_path, "keygen", "--out", "k.pem").returncode == 0
+    args = {"run": ["--prompt", "hi", "--max-tokens", "1", "--attestation", "a.bxa"],
+            "serve": ["--data-dir", "data"]}[command]
+    p = bx(tmp_path, command, "--model", default_model.path, "--key", "k.pem", *args, "--device", "cuda",
+           "--pin", "Some Other GPU", timeout=180)
+    assert "Some Other GPU" in assert_input_error(p)
+    assert sorted(os.listdir(tmp_path)) == ["k.pem", "k.pub.pem"]
+    if command == "run":
+        p = bx(tmp_path, "run", "--model", default_model.path, "--key", "k.pem", *args, "--device", "cuda",
+               "--pin", "", timeout=180)
+        assert p.returncode == 0, p.stderr
+        with open(tmp_path / "a.bxa", "rb") as f:
+            payload = envelope.open_envelope(f.read(), keys.load_public(str(tmp_path / "k.pub.pem")))
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        assert payload["backend"] == "cuda" and payload["device"]["gpu"] == props["name"].decode()
+
+
+@pytest.mark.default_model
 def test_default_model_golden_on_gpu(default_model):
     from node.tokenizer import Tokenizer
     eng = Engine(default_model, "cuda", n_ctx=512)
