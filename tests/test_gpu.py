@@ -537,6 +537,29 @@ def test_cli_refuses_a_gpu_other_than_its_pin(default_model, tmp_path, command):
 
 
 @pytest.mark.default_model
+def test_cli_kernel_compile_failure_is_one_error_line(default_model, tmp_path):
+    """A kernel source NVRTC cannot compile (a copy of the tree with cuda/rope.cu broken):
+    `run --device cuda` exits 2 with one error line naming the file, and writes nothing."""
+    import shutil
+
+    from test_attest import REPO, assert_input_error, bx
+    tree = tmp_path / "tree"
+    for d in ("node", "attest", "verify", "cuda"):
+        shutil.copytree(os.path.join(REPO, d), tree / d)
+    rope = tree / "cuda" / "rope.cu"
+    rope.write_text(rope.read_text() + "\n#error planted\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    assert bx(work, "keygen", "--out", "k.pem").returncode == 0
+    env = {"PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}   # cubins of the broken tree: none cached
+    p = bx(work, "run", "--model", default_model.path, "--key", "k.pem", "--prompt", "hi", "--max-tokens", "1",
+           "--device", "cuda", "--pin", "", env=env, timeout=300)
+    assert "NVRTC failed to compile cuda/rope.cu" in assert_input_error(p)
+    assert sorted(os.listdir(work)) == ["k.pem", "k.pub.pem"]
+
+
+@pytest.mark.default_model
 def test_default_model_golden_on_gpu(default_model):
     from node.tokenizer import Tokenizer
     eng = Engine(default_model, "cuda", n_ctx=512)
