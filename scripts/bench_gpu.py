@@ -22,7 +22,8 @@ section 14; other bytes, attested as contract 2).
 to fit the device time of one run; every figure of a row uses the same
 truncated shape, so the ratios are like for like. Writing the 32-layer BF16
 model takes 150-210 s; ``--model-dir`` keeps it for the next run on the same
-machine.
+machine. Exit status 1 when a section failed (its error and trace are in the
+JSON beside the other sections' figures), else 0.
 
 ``--tp N``: tensor parallelism instead. For the 8B and 70B Llama shapes in
 BF16 (truncated to ``--tp-layers`` layers each), at each degree 1, 2, ..., N:
@@ -378,7 +379,7 @@ def main_tp(args) -> int:
             run_section(results, f"{name}/tp{tp}/torch-nccl-graphs-bf16", bench_torch_tp, model.hparams, tp)
             save_json(args.out, results)
         os.unlink(path)
-    return 0
+    return exit_code(results)
 
 
 def synth_tag() -> str:
@@ -397,6 +398,11 @@ def save_json(path: str, results: dict) -> None:
     """Write the results so far to ``path`` (temp file, fsync, rename)."""
     from attest.atomic import atomic_write
     atomic_write(path, json.dumps(results, indent=1).encode())
+
+
+def exit_code(results: dict) -> int:
+    """1 when a section recorded an error (the others' figures are still written), else 0."""
+    return int(any(isinstance(v, dict) and "error" in v for v in results.values()))
 
 
 def run_section(results, key, fn, *a):
@@ -430,7 +436,7 @@ def main() -> int:
         results = {}
         run_section(results, "sampler", bench_sampler)
         save_json(args.out, results)
-        return 0
+        return exit_code(results)
 
     import cupy as cp
 
@@ -480,7 +486,7 @@ def main() -> int:
         if model.path.startswith(tmp) and not args.model_dir:
             os.unlink(model.path)
     save_json(args.out, results)
-    return 0
+    return exit_code(results)
 
 
 if __name__ == "__main__":
