@@ -453,13 +453,13 @@ def main() -> int:
             models.append(("smollm2-135m-q4_1", load_model(args.default_model or default_model_path())))
         except Exception as e:
             results["smollm2-135m-q4_1"] = {"error": str(e)}
-    tmp = args.model_dir or tempfile.mkdtemp()
+    tmp, tag = args.model_dir or tempfile.mkdtemp(), synth_tag()
     os.makedirs(tmp, exist_ok=True)
     for qt in ("BF16", "Q4_K"):
         name = f"llama-8b-{args.layers}L-{qt.lower()}"
         if name in args.skip:
             continue
-        path = os.path.join(tmp, f"{name}-{synth_tag()}.gguf")
+        path = os.path.join(tmp, f"{name}-{tag}.gguf")
         if os.path.exists(path):
             print(f"reusing {path}", flush=True)
         else:

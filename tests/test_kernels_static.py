@@ -142,7 +142,7 @@ def test_nvcc_no_spills_no_atomic_instructions(tmp_path, name, defines):
 
 
 def _assert_no_spills(ptxas_log: str):
-    """ptxas -v reported every function, with no spill stores or loads and no stack frame."""
+    """ptxas -v reported its functions, none with spill stores or loads or a stack frame."""
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
     assert spills, f"no ptxas -v report: {ptxas_log}"
     assert all(s == ("0", "0") for s in spills), f"register spills: {ptxas_log}"
