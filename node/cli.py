@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("keygen", help="create an Ed25519 signing key")
     k.add_argument("--out", required=True, metavar="KEY.pem",
                    help="private key to write (mode 0600); the public key goes beside it as .pub.pem")
-    k.add_argument("--passphrase-file", metavar="F", help="encrypt the key with the passphrase in this file")
+    k.add_argument("--passphrase-file", metavar="F", help="encrypt the key with the passphrase in this file (or set BITEXACT_KEY_PASSPHRASE)")
     k.set_defaults(fn=cmd_keygen)
 
     r = sub.add_parser("run", help="run one request and write its signed attestation")
@@ -377,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--one-launch", action="store_true", help=one_launch)
     s.add_argument("--contract", type=int, choices=(1, 2), default=1, help=contract)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8420, help="TCP port (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8420, help="TCP port; 0: a free one, named in the startup line (default: %(default)s)")
     s.add_argument("--data-dir", default="bitexact-data", metavar="DIR",
                    help="attestation store (default: %(default)s)")
     s.add_argument("--max-batch", type=int, default=16, metavar="N",
@@ -386,9 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens one engine step feeds, decode tokens included; prompts are prefilled "
                         "within it, those with the fewest tokens left first (default: 32 on cpu, 2048 on cuda)")
     s.add_argument("--max-queue", type=int, default=64, metavar="N",
-                   help="requests that may wait beyond the free batch slots before 429 (default: %(default)s)")
+                   help="requests that may wait beyond the free batch slots before 429; 0: run only when a slot is free "
+                        "(default: %(default)s)")
     s.add_argument("--max-tokens-cap", type=int, default=4096, metavar="N",
-                   help="largest max_tokens a request may ask (default: %(default)s)")
+                   help="largest max_tokens a request may ask, at most the context; a request without max_tokens "
+                        "gets 16, or N when N is smaller (default: %(default)s)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                    help="largest request body before 413 (default: %(default)s)")
     s.add_argument("--body-timeout", type=_float("--body-timeout"), default=30.0, metavar="S",
