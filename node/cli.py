@@ -253,7 +253,7 @@ def cmd_run(args) -> int:
                           "key_id": payload["signer"]["key_id"], "backend": engine.device}))
     else:
         print(res.text)
-        print(f"attestation: {one_line(path)} (output digest {res.digest.hex()}, {engine.device})", file=sys.stderr)
+        _stderr_line(f"attestation: {path} (output digest {res.digest.hex()}, {engine.device})")
     return EXIT_OK
 
 
@@ -443,10 +443,10 @@ async def _drain_on_first_signal(app) -> None:
         loop.add_signal_handler(sig, once)
 
 
-def _error_line(text: str) -> None:
+def _stderr_line(text: str) -> None:
     """``text`` on stderr as one line (:func:`one_line`); if stderr cannot take it
     (``2>/dev/full``), nothing more is written there (it now goes to /dev/null),
-    and the exit code alone tells."""
+    the command goes on, and the exit code alone tells."""
     try:
         print(one_line(text), file=sys.stderr, flush=True)
     except (OSError, ValueError):
@@ -454,14 +454,16 @@ def _error_line(text: str) -> None:
 
 
 def main(argv=None) -> int:
-    if sys.stdout is None or sys.stderr is None:   # started with a standard stream closed (`>&-`)
-        if sys.stderr is not None:
-            _error_line("bitexact: error: standard output is closed")
+    if sys.stderr is None:   # started with `2>&-`: diagnostics go nowhere, the exit code tells
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)   # fd 2 must never become a file the command opens
+        sys.stderr = open(2, "w", closefd=False)
+    if sys.stdout is None:   # started with `>&-`
+        _stderr_line("bitexact: error: standard output is closed")
         return EXIT_INPUT
     try:   # relative paths resolve against it; a folder deleted under the shell fails later, less clearly
         os.getcwd()
     except OSError as e:
-        _error_line(f"bitexact: error: cannot use the working folder: {e.strerror}")
+        _stderr_line(f"bitexact: error: cannot use the working folder: {e.strerror}")
         return EXIT_INPUT
     for f in (sys.stdout, sys.stderr):   # a locale that cannot encode the text (LANG=C): escapes, no traceback
         if hasattr(f, "reconfigure"):
@@ -485,16 +487,16 @@ def main(argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except BitexactError as e:
-        _error_line(f"bitexact: error: {e}")
+        _stderr_line(f"bitexact: error: {e}")
         return e.exit_code
     except OSError as e:   # commands turn the file errors they expect into BitexactError
         where = f"cannot access {e.filename}" if e.filename else "cannot write to standard output"
         if not e.filename:   # what stdout still buffers must not fail again at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        _error_line(f"bitexact: error: {where}: {e.strerror or e}")
+        _stderr_line(f"bitexact: error: {where}: {e.strerror or e}")
         return EXIT_INPUT
     except KeyboardInterrupt:
-        _error_line("bitexact: interrupted")
+        _stderr_line("bitexact: interrupted")
         for f in (sys.stdout, sys.stderr):
             try:
                 f.flush()

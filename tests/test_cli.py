@@ -61,7 +61,7 @@ def test_error_lines_escape_line_breaks_and_terminal_escapes(capsys):
     """An error message quoting a model file or a request is printed as one line
     that cannot drive the terminal."""
     from node import cli
-    cli._error_line("bitexact: error: tensor zz\n\x1b[31mEVIL \u2028 é")
+    cli._stderr_line("bitexact: error: tensor zz\n\x1b[31mEVIL \u2028 é")
     assert capsys.readouterr().err == "bitexact: error: tensor zz\\n\\x1b[31mEVIL \\u2028 é\n"
 
 
@@ -687,6 +687,30 @@ def test_an_unwritable_stdout_is_one_error_line(art, stdout, args):
     err = p.stderr.decode()
     assert p.returncode == 2 and err.count("\n") == 1 and err.startswith("bitexact: error: "), err
     assert ("No space left" in err) if stdout == "full" else ("closed" in err), err
+
+
+@pytest.mark.parametrize("stderr", ["full", "closed"])
+def test_an_unwritable_stderr_loses_only_the_diagnostics(art, cwd, stderr):
+    """stderr full (`2>/dev/full`) or closed (`2>&-`): `run` still prints its text, writes
+    its attestation and exits 0, `--version` prints; bad input is still exit 2 with
+    nothing on stdout (the error line goes nowhere)."""
+    import subprocess
+    from test_attest import cli_env
+
+    def cli(*args):
+        with open("/dev/full", "w") as full:
+            return subprocess.run([sys.executable, "-m", "node.cli", *args], env=cli_env(), cwd=cwd, timeout=300,
+                                  stdout=subprocess.PIPE, stderr=full if stderr == "full" else None,
+                                  preexec_fn=(lambda: os.close(2)) if stderr == "closed" else None)
+    p = cli("run", "--key", art.key, "--prompt", "hi", "--max-tokens", "2", "--attestation", "a.bxa", "--device", "cpu")
+    assert p.returncode == 0 and p.stdout.endswith(b"\n"), p
+    with open(cwd / "a.bxa", "rb") as f:
+        payload = envelope.open_envelope(f.read(), keys.load_public(art.pub))
+    assert p.stdout.decode() == payload["output"]["text"] + "\n" and listing(cwd) == ["a.bxa"]
+    v = cli("--version")
+    assert v.returncode == 0 and v.stdout.startswith(b"bitexact "), v
+    bad = cli("inspect", "missing.bxa")
+    assert bad.returncode == 2 and bad.stdout == b"", bad
 
 
 @pytest.mark.parametrize("args", [["inspect", "ART"], ["inspect", "MISSING"], ["keygen", "--out", "KEY"]])
