@@ -161,7 +161,8 @@ def load_model(path: str) -> Model:
     is unsupported (a
     vector, such as a norm's weights, must be F32, F16 or BF16), a metadata
     array claims more than MAX_ARRAY_ITEMS items or more than the file holds, a tensor has
-    an empty dimension or the wrong shape, or a required tensor is missing.
+    an empty dimension, a third or fourth dimension other than 1, or the wrong
+    shape, or a required tensor is missing.
     """
     from gguf import GGUFValueType
 
@@ -196,8 +197,11 @@ def load_model(path: str) -> Model:
         if min(shape, default=0) < 1:
             raise ModelError(f"tensor {t.name!r} has shape {shape}: it needs at least one dimension, "
                              "and every dimension must be at least 1")
+        if any(s != 1 for s in shape[2:]):   # as llama.cpp's check_tensor_dims: missing dimensions are 1
+            raise ModelError(f"tensor {t.name!r} has shape {shape}: the llama layout has at most two "
+                             "dimensions (those after the second must be 1)")
         cols = shape[0]
-        rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        rows = shape[1] if len(shape) > 1 else 1
         raw = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
         bb, be = BLOCK_BYTES.get(qtype, ({"F32": 4, "F16": 2, "BF16": 2}.get(qtype, 0), 1))
         if cols % be or raw.shape[1] != cols // be * bb:

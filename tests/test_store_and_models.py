@@ -218,6 +218,30 @@ def test_a_tensor_with_an_empty_dimension_or_none_is_a_model_error(tmp_path, sha
         load_model(path)
 
 
+@pytest.mark.parametrize("shape", [(2, 32, 64), (3, 1, 32, 64), (1, 32, 64), (1, 1, 32, 64)])
+def test_a_tensor_of_more_than_two_dimensions_is_a_model_error(tmp_path, shape):
+    """GGUF shape [64, 32, 2] holds as many values as [64, 64] but is another layout:
+    refused by name. Dimensions of 1 after the second are read as absent, as llama.cpp
+    reads them: those files get past the shape check (and stop at the missing metadata)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = str(tmp_path / "dims.gguf")
+    w = GGUFWriter(path, "llama")
+    w.add_tensor("token_embd.weight", np.zeros(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if shape[0] == 1:
+        with pytest.raises(ModelError, match="llama.block_count is missing"):
+            load_model(path)
+    else:
+        shown = ", ".join(map(str, shape[::-1]))
+        with pytest.raises(ModelError, match=rf"'token_embd.weight' has shape \[{shown}\]: the llama layout has at most two"):
+            load_model(path)
+
+
 def test_a_model_named_through_a_link_and_dotdot_keeps_the_file_it_read(tmp_path, monkeypatch):
     """``link/../m.gguf`` is the m.gguf beside the link's target: Model.path (which the
     tokenizer and the rank processes open again) names that file, not the m.gguf a
