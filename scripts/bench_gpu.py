@@ -172,6 +172,10 @@ def llama_config(hp):
 
 
 def bench_hf_eager(hp, steps: int = 16) -> dict:
+    """Baseline (a): transformers' LlamaForCausalLM in bf16 with random weights, eager
+    PyTorch (no torch.compile, no CUDA graphs; the default attention). Decode tokens/s
+    summed over each batch (``steps`` timed steps after an 8-token prefill and one
+    untimed decode step), and prefill tokens/s of one 1024-token prompt."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -183,6 +187,8 @@ def bench_hf_eager(hp, steps: int = 16) -> dict:
         for b in BATCHES:
             ids = torch.randint(0, hp.n_vocab, (b, 8), device="cuda")
             r = model(ids, use_cache=True)
+            past, nxt = r.past_key_values, r.logits[:, -1:].argmax(-1)
+            r = model(nxt, past_key_values=past, use_cache=True)   # an untimed decode step, as the others get
             past, nxt = r.past_key_values, r.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
