@@ -5,8 +5,12 @@
 # versions of this checkout's .venv (run scripts/setup.sh first), for
 # CPython $DEVICE_PYTHON (default 3.12) on x86-64 Linux. llama-cpp-python is
 # the wheel pip built for setup.sh (GGML_NATIVE=OFF, tagged py3-none), taken
-# from pip's cache or built again.
-#   bash scripts/device_wheels.sh          # then carry .whl to the machine
+# from pip's cache or built again. It also cuts the default model into
+# .model/NAME.gguf.K-of-3 (36 MB, 36 MB, the rest): the parts cross to the
+# machine in three calls while it stays warm, since one call carries at most
+# 64 MiB (the last part with .whl, then one part a call), and gpu_check.sh
+# puts them together again.
+#   bash scripts/device_wheels.sh          # then carry .whl and .model/*3-of-3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${DEVICE_PYTHON:-3.12}
@@ -24,5 +28,9 @@ rm -rf .whl && mkdir .whl
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "${pins[@]}"
 CMAKE_ARGS="-DGGML_NATIVE=OFF" .venv/bin/python -m pip wheel -q --no-deps -w .whl "llama-cpp-python==0.3.36"
-ls .whl
-du -sh .whl
+model=$(.venv/bin/python -c "from node.gguf_model import default_model_path; print(default_model_path())")
+rm -rf .model && mkdir .model
+split -b 36000000 -a 1 --numeric-suffixes=1 --additional-suffix=-of-3 "$model" ".model/$(basename "$model")."
+[ "$(ls .model | wc -l)" = 3 ] || { echo "device_wheels: the default model did not cut into 3 parts" >&2; exit 2; }
+ls .whl .model
+du -sh .whl .model
