@@ -200,20 +200,26 @@ def test_rope_angles_past_the_table_range_are_one_model_error(tmp_path, metadata
             Engine(model, n_ctx=2048)
 
 
-@pytest.mark.parametrize("shape,shown", [((0, 64), r"\[64, 0\]"), ((), r"\[\]")])
-def test_a_tensor_with_an_empty_dimension_or_none_is_a_model_error(tmp_path, shape, shown):
-    """A zero-row tensor or one of no dimensions (valid GGUF) is refused by name, not
-    with numpy's reshape error or an IndexError."""
+def _lone_embedding_gguf(path: str, shape: tuple) -> str:
+    """A GGUF of the llama architecture holding only token_embd.weight, fp32 zeros of
+    numpy ``shape`` (GGUF lists the dimensions in the reverse order), and no metadata."""
     import numpy as np
     from gguf import GGUFWriter
 
-    path = str(tmp_path / "zero.gguf")
     w = GGUFWriter(path, "llama")
     w.add_tensor("token_embd.weight", np.zeros(shape, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+@pytest.mark.parametrize("shape,shown", [((0, 64), r"\[64, 0\]"), ((), r"\[\]")])
+def test_a_tensor_with_an_empty_dimension_or_none_is_a_model_error(tmp_path, shape, shown):
+    """A zero-row tensor or one of no dimensions (valid GGUF) is refused by name, not
+    with numpy's reshape error or an IndexError."""
+    path = _lone_embedding_gguf(str(tmp_path / "zero.gguf"), shape)
     with pytest.raises(ModelError, match=f"'token_embd.weight' has shape {shown}: it needs at least one dimension"):
         load_model(path)
 
@@ -223,16 +229,7 @@ def test_a_tensor_of_more_than_two_dimensions_is_a_model_error(tmp_path, shape):
     """GGUF shape [64, 32, 2] holds as many values as [64, 64] but is another layout:
     refused by name. Dimensions of 1 after the second are read as absent, as llama.cpp
     reads them: those files get past the shape check (and stop at the missing metadata)."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    path = str(tmp_path / "dims.gguf")
-    w = GGUFWriter(path, "llama")
-    w.add_tensor("token_embd.weight", np.zeros(shape, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _lone_embedding_gguf(str(tmp_path / "dims.gguf"), shape)
     if shape[0] == 1:
         with pytest.raises(ModelError, match="llama.block_count is missing"):
             load_model(path)
