@@ -562,14 +562,14 @@ def test_cli_kernel_compile_failure_is_one_error_line(default_model, tmp_path):
 @pytest.mark.default_model
 def test_default_model_golden_on_gpu(default_model):
     from node.tokenizer import Tokenizer
-    eng = Engine(default_model, "cuda", n_ctx=512)
+    eng = Engine(default_model, "cuda", n_ctx=512, pin=None)   # the pin: test_gpu_pinned_and_recorded
     assert golden.default_output_digest(eng, Tokenizer(default_model)) == golden.GOLDEN_DEFAULT
 
 
 @pytest.mark.default_model
 def test_default_model_steps_equal_reference(default_model):
     toks = [1, 504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 8524, 314]
-    gpu = step_logits(Engine(default_model, "cuda", n_ctx=512), toks, 6)
+    gpu = step_logits(Engine(default_model, "cuda", n_ctx=512, pin=None), toks, 6)
     cpu = step_logits(Engine(default_model, "cpu", n_ctx=512), toks, 6)
     assert_same(cpu, gpu, "logits")
 
@@ -581,7 +581,7 @@ def test_ten_thousand_runs_one_digest(default_model):
     rng = np.random.default_rng(2026)
     request = [1, 504, 3575, 282, 2914, 314]
     steps = 3
-    eng = Engine(default_model, "cuda", n_ctx=512, kv_pages=512)
+    eng = Engine(default_model, "cuda", n_ctx=512, kv_pages=512, pin=None)
 
     def run_wave(n_runs, n_others):
         kinds = ["run"] * n_runs + ["other"] * n_others
