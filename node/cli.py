@@ -455,7 +455,10 @@ def _stderr_line(text: str) -> None:
 
 def main(argv=None) -> int:
     if sys.stderr is None:   # started with `2>&-`: diagnostics go nowhere, the exit code tells
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)   # fd 2 must never become a file the command opens
+        fd = os.open(os.devnull, os.O_WRONLY)   # fd 2 must never become a file the command opens
+        if fd != 2:   # the lowest free one: 0 or 1 when those are closed too, left closed again
+            os.dup2(fd, 2)
+            os.close(fd)
         sys.stderr = open(2, "w", closefd=False)
     if sys.stdout is None:   # started with `>&-`
         _stderr_line("bitexact: error: standard output is closed")
