@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
         except OSError as e:
             if file is not sys.stdout:
                 return
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _to_devnull(sys.stdout.fileno())
             if isinstance(e, BrokenPipeError):   # the reader went away (`| head`), as for a command
                 self.exit(141)
             self.exit(EXIT_INPUT, f"bitexact: error: cannot write to standard output: {e.strerror or e}\n")
@@ -443,6 +443,15 @@ async def _drain_on_first_signal(app) -> None:
         loop.add_signal_handler(sig, once)
 
 
+def _to_devnull(fd: int) -> None:
+    """Point descriptor ``fd`` at /dev/null, so that what is written there is dropped
+    (the descriptor /dev/null was first opened on is closed again, unless it is ``fd``)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    if null != fd:
+        os.dup2(null, fd)
+        os.close(null)
+
+
 def _stderr_line(text: str) -> None:
     """``text`` on stderr as one line (:func:`one_line`); if stderr cannot take it
     (``2>/dev/full``), nothing more is written there (it now goes to /dev/null),
@@ -450,15 +459,12 @@ def _stderr_line(text: str) -> None:
     try:
         print(one_line(text), file=sys.stderr, flush=True)
     except (OSError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+        _to_devnull(sys.stderr.fileno())
 
 
 def main(argv=None) -> int:
     if sys.stderr is None:   # started with `2>&-`: diagnostics go nowhere, the exit code tells
-        fd = os.open(os.devnull, os.O_WRONLY)   # fd 2 must never become a file the command opens
-        if fd != 2:   # the lowest free one: 0 or 1 when those are closed too, left closed again
-            os.dup2(fd, 2)
-            os.close(fd)
+        _to_devnull(2)   # fd 2 must never become a file the command opens
         sys.stderr = open(2, "w", closefd=False)
     if sys.stdout is None:   # started with `>&-`
         _stderr_line("bitexact: error: standard output is closed")
@@ -487,7 +493,7 @@ def main(argv=None) -> int:
         sys.stdout.flush()   # inside the try: a closed pipe is reported here, not at interpreter exit
         return code
     except BrokenPipeError:   # whoever read stdout went away (`| head`): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _to_devnull(sys.stdout.fileno())
         return 141
     except BitexactError as e:
         _stderr_line(f"bitexact: error: {e}")
@@ -495,7 +501,7 @@ def main(argv=None) -> int:
     except OSError as e:   # commands turn the file errors they expect into BitexactError
         where = f"cannot access {e.filename}" if e.filename else "cannot write to standard output"
         if not e.filename:   # what stdout still buffers must not fail again at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _to_devnull(sys.stdout.fileno())
         _stderr_line(f"bitexact: error: {where}: {e.strerror or e}")
         return EXIT_INPUT
     except KeyboardInterrupt:
