@@ -239,6 +239,23 @@ def test_a_tensor_of_more_than_two_dimensions_is_a_model_error(tmp_path, shape):
             load_model(path)
 
 
+def test_dimensions_of_one_after_the_second_leave_the_model_as_it_was(tmp_path):
+    """A model whose tensors carry dimensions of 1 after their second (GGUF [K, N, 1],
+    a norm as [n_embd, 1, 1, 1]; llama.cpp reads them as absent) loads as the same
+    model: every tensor's rows, columns, type and bytes."""
+    src = write_model(str(tmp_path / "a.gguf"), "tiny", "Q8_0", seed=5)
+    extra = {"blk.0.attn_q.weight": (1,), "blk.1.ffn_down.weight": (1, 1), "output_norm.weight": (1, 1, 1)}
+
+    def padded(name, data, qtype):   # numpy order: the leading axes are GGUF's last dimensions
+        return (data.reshape(extra[name] + data.shape), qtype) if name in extra else None
+
+    a, b = load_model(src), load_model(copy_model(src, str(tmp_path / "b.gguf"), tensor=padded))
+    assert a.tensors.keys() == b.tensors.keys() and a.sha256 != b.sha256
+    for name, t in a.tensors.items():
+        u = b.tensors[name]
+        assert (u.qtype, u.rows, u.cols) == (t.qtype, t.rows, t.cols) and u.raw.tobytes() == t.raw.tobytes(), name
+
+
 def test_a_model_named_through_a_link_and_dotdot_keeps_the_file_it_read(tmp_path, monkeypatch):
     """``link/../m.gguf`` is the m.gguf beside the link's target: Model.path (which the
     tokenizer and the rank processes open again) names that file, not the m.gguf a
