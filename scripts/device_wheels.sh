@@ -6,9 +6,9 @@
 # CPython $DEVICE_PYTHON (default 3.12) on x86-64 Linux. llama-cpp-python is
 # the wheel pip built for setup.sh (GGML_NATIVE=OFF, tagged py3-none), taken
 # from pip's cache or built again. It also cuts the default model into
-# .model/NAME.SHA256.K-of-3 (36 MB, 36 MB, the rest), for a GPU machine reached
-# by copies of at most 64 MiB (.whl with the third part, then one part each);
-# gpu_check.sh puts them together again and checks the SHA-256.
+# .model/NAME.SHA256.K-of-3 (36 MB, 36 MB, the rest; scripts/model_parts.sh), for a
+# GPU machine reached by copies of at most 64 MiB (.whl with the third part, then
+# one part each); gpu_check.sh puts them together again and checks the SHA-256.
 #   bash scripts/device_wheels.sh          # then copy .whl and .model/*3-of-3 over
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,9 +28,6 @@ rm -rf .whl && mkdir .whl
     -d .whl "${pins[@]}"
 CMAKE_ARGS="-DGGML_NATIVE=OFF" .venv/bin/python -m pip wheel -q --no-deps -w .whl "llama-cpp-python==0.3.36"
 model=$(.venv/bin/python -c "from node.gguf_model import default_model_path; print(default_model_path())")
-rm -rf .model && mkdir .model
-sha=$(sha256sum < "$model" | cut -d' ' -f1)
-split -b 36000000 -a 1 --numeric-suffixes=1 --additional-suffix=-of-3 "$model" ".model/$(basename "$model").$sha."
-[ "$(ls .model | wc -l)" = 3 ] || { echo "device_wheels: the default model did not cut into 3 parts" >&2; exit 2; }
+bash scripts/model_parts.sh cut "$model" .model 36000000
 ls .whl .model
 du -sh .whl .model

