@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Cut a model file into parts small enough to copy to a GPU machine, and join them there.
 #   bash scripts/model_parts.sh cut MODEL DIR [BYTES]
-#       DIR (made anew) gets MODEL's parts NAME.SHA256.K-of-N of BYTES each (default
+#       DIR (made, or emptied of earlier parts; any other file there: exit 2) gets MODEL's parts NAME.SHA256.K-of-N of BYTES each (default
 #       36000000; the last one shorter), SHA256 being the whole file's.
 #   bash scripts/model_parts.sh join DIR STASH DEST
 #       keeps DIR's parts in STASH/SHA256/ (across runs); once all N of a model are there,
@@ -17,7 +17,12 @@ cut)
     [ -f "$model" ] || { echo "model_parts: no model file $model" >&2; exit 2; }
     [[ $bytes =~ ^[1-9][0-9]*$ ]] || { echo "model_parts: BYTES must be a positive integer, not '$bytes'" >&2; exit 2; }
     sha=$(sha256sum < "$model" | cut -d' ' -f1)
-    rm -rf "$dir" && mkdir -p "$dir"
+    if [ -e "$dir" ]; then   # only ever a folder of earlier parts is emptied
+        [ -d "$dir" ] && [ -z "$(find "$dir" -mindepth 1 -maxdepth 1 ! -name '*.*-of-*' -print -quit)" ] \
+            || { echo "model_parts: $dir holds other files than model parts: not replaced" >&2; exit 2; }
+        find "$dir" -mindepth 1 -maxdepth 1 -name '*.*-of-*' -delete
+    fi
+    mkdir -p "$dir"
     split -b "$bytes" -a 4 --numeric-suffixes=1 "$model" "$dir/.cut."
     n=$(ls -A "$dir" | wc -l)
     for k in $(seq 1 "$n"); do

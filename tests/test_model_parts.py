@@ -48,6 +48,17 @@ def test_parts_that_do_not_give_their_digest_are_refused(cut):
     assert os.listdir(tmp / "dest") == []   # no model, no temporary file
 
 
+def test_cut_replaces_earlier_parts_but_never_other_files(cut):
+    tmp, _, sha = cut
+    p = parts("cut", "m.gguf", "parts", 600, cwd=tmp)
+    assert p.returncode == 0 and sorted(os.listdir(tmp / "parts")) == [f"m.gguf.{sha}.{k}-of-2" for k in (1, 2)]
+    (tmp / "parts" / "notes.txt").write_text("mine")
+    p = parts("cut", "m.gguf", "parts", cwd=tmp)
+    assert p.returncode == 2 and "holds other files than model parts" in p.stderr
+    assert (tmp / "parts" / "notes.txt").read_text() == "mine" and len(os.listdir(tmp / "parts")) == 3
+    assert parts("cut", "m.gguf", "m.gguf", cwd=tmp).returncode == 2   # a file, not a folder
+
+
 @pytest.mark.parametrize("args", [[], ["cut", "m.gguf"], ["cut", "nope.gguf", "parts"], ["cut", "m.gguf", "parts", "0"],
                                   ["join", "parts", "stash"], ["split"]])
 def test_bad_arguments_are_one_line_and_exit_2(cut, args):
