@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Cut a model file into parts small enough to copy to a GPU machine, and join them there.
 #   bash scripts/model_parts.sh cut MODEL DIR [BYTES]
-#       DIR (made, or emptied of earlier parts; any other file there: exit 2) gets MODEL's parts NAME.SHA256.K-of-N of BYTES each (default
-#       36000000; the last one shorter), SHA256 being the whole file's.
+#       DIR (made, or emptied of earlier parts; any other file there: exit 2) gets
+#       MODEL's parts NAME.SHA256.K-of-N of BYTES each (default 36000000; the last one
+#       shorter), SHA256 being the whole file's.
 #   bash scripts/model_parts.sh join DIR STASH DEST
 #       keeps DIR's parts in STASH/SHA256/ (across runs); once all N of a model are there,
 #       writes DEST/NAME (under a temporary name first) and checks its SHA-256.
@@ -38,6 +39,8 @@ join)
         n=${part##*-of-}
         sha=${stem##*.}
         name=${stem%.*}
+        [[ $n =~ ^[1-9][0-9]*$ && $sha =~ ^[0-9a-f]{64}$ ]] \
+            || { echo "model_parts: $part is not named NAME.SHA256.K-of-N" >&2; exit 2; }
         mkdir -p "$stash/$sha" && cp "$part" "$stash/$sha/"
         have=$(ls "$stash/$sha" | wc -l)
         if [ "$have" != "$n" ]; then

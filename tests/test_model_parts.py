@@ -59,6 +59,15 @@ def test_cut_replaces_earlier_parts_but_never_other_files(cut):
     assert parts("cut", "m.gguf", "m.gguf", cwd=tmp).returncode == 2   # a file, not a folder
 
 
+def test_join_refuses_a_file_not_named_as_a_part(cut):
+    tmp = cut[0]
+    (tmp / "other").mkdir()
+    (tmp / "other" / "notes.v2.1-of-x").write_text("mine")
+    p = parts("join", "other", "stash", "dest", cwd=tmp)
+    assert p.returncode == 2 and p.stderr == "model_parts: other/notes.v2.1-of-x is not named NAME.SHA256.K-of-N\n"
+    assert not (tmp / "stash").exists() and not (tmp / "dest").exists()
+
+
 @pytest.mark.parametrize("args", [[], ["cut", "m.gguf"], ["cut", "nope.gguf", "parts"], ["cut", "m.gguf", "parts", "0"],
                                   ["join", "parts", "stash"], ["split"]])
 def test_bad_arguments_are_one_line_and_exit_2(cut, args):
