@@ -45,6 +45,25 @@ def write(path, data: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
+def dsa_key(tmp_path_factory):
+    """A DSA key pair's PEM files (private, public): an algorithm `cryptography` deprecates,
+    whose loading warns on stderr unless the loader silences it."""
+    import warnings
+
+    from cryptography.hazmat.primitives.asymmetric import dsa
+    from cryptography.utils import CryptographyDeprecationWarning
+    d = tmp_path_factory.mktemp("dsa")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CryptographyDeprecationWarning)
+        key = dsa.generate_private_key(key_size=1024)
+    priv = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+    pub = key.public_key().public_bytes(serialization.Encoding.PEM,
+                                        serialization.PublicFormat.SubjectPublicKeyInfo)
+    return write(d / "dsa.pem", priv), write(d / "dsa.pub.pem", pub)
+
+
+@pytest.fixture(scope="module")
 def enc_key(tmp_path_factory):
     """A passphrase-protected key made with ``keygen --passphrase-file``."""
     d = tmp_path_factory.mktemp("enc")
@@ -412,8 +431,9 @@ def test_run_with_the_right_passphrase_gets_past_the_key(enc_key, cwd, via):
     ("absent", "cannot read key"),
     ("public", "is not a PEM private key"),
     ("unencrypted_with_pass", "not encrypted"),
+    ("dsa", "is not an Ed25519 key"),
 ])
-def test_run_with_a_bad_key_fails_and_writes_nothing(enc_key, art, tmp_path, cwd, case, needle):
+def test_run_with_a_bad_key_fails_and_writes_nothing(enc_key, dsa_key, art, tmp_path, cwd, case, needle):
     key, extra, env = enc_key / "enc.pem", [], None
     if case == "wrong":
         extra = ["--passphrase-file", write(tmp_path / "wrong.txt", b"wrong horse\n")]
@@ -431,6 +451,8 @@ def test_run_with_a_bad_key_fails_and_writes_nothing(enc_key, art, tmp_path, cwd
         key = art.pub
     elif case == "unencrypted_with_pass":
         key, extra = art.key, ["--passphrase-file", enc_key / "pass.txt"]
+    elif case == "dsa":   # deprecated by the library: its warning must not reach stderr
+        key = dsa_key[0]
     p = bx(cwd, "run", "--key", key, *extra, "--prompt", "hi", "--max-tokens", "2", "--device", "cpu", env=env)
     assert needle in assert_input_error(p)
     assert listing(cwd) == []
@@ -830,12 +852,13 @@ def test_verify_with_another_trusted_key(art, tmp_path):
     assert p.stdout == ""
 
 
-@pytest.mark.parametrize("which", ["missing", "private", "garbage", "empty path"])
-def test_verify_with_a_bad_trusted_key_file(art, tmp_path, which):
+@pytest.mark.parametrize("which", ["missing", "private", "garbage", "empty path", "dsa"])
+def test_verify_with_a_bad_trusted_key_file(art, dsa_key, tmp_path, which):
     """Refused before anything is checked: an empty path (an unset shell variable)
-    names no key, and must not verify with no trusted key at all."""
+    names no key, and must not verify with no trusted key at all; a DSA key is one
+    line too (no library warning)."""
     path = {"missing": str(tmp_path / "nope.pub.pem"), "private": art.key,
-            "garbage": write(tmp_path / "g.pub.pem", b"garbage"), "empty path": ""}[which]
+            "garbage": write(tmp_path / "g.pub.pem", b"garbage"), "empty path": "", "dsa": dsa_key[1]}[which]
     p = bx(tmp_path, "verify", art.bxa, "--trusted-key", path)
     assert "public key" in assert_input_error(p)
     assert p.stdout == ""
