@@ -11,15 +11,12 @@ message (Chalkias, Garillot and Nikolaenko, "Taming the many EdDSAs", 2020).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import stat
-import warnings
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.utils import CryptographyDeprecationWarning
 from nacl.bindings import crypto_core_ed25519_is_valid_point
 
 from node.errors import KeyError_
@@ -119,15 +116,6 @@ def generate(path: str, passphrase: bytes | None = None) -> str:
     return key_id(public_raw(key))
 
 
-@contextlib.contextmanager
-def _quiet():
-    """Load a key of a deprecated algorithm (DSA) without the library's warning on stderr:
-    it is refused with one error line, as is every key that is not Ed25519."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CryptographyDeprecationWarning)
-        yield
-
-
 def load_private(path: str, passphrase: bytes | None = None, require_private_mode: bool = False) -> Ed25519PrivateKey:
     """Load an Ed25519 private key.
 
@@ -143,8 +131,7 @@ def load_private(path: str, passphrase: bytes | None = None, require_private_mod
     if require_private_mode and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise KeyError_(f"key {path} is readable by group or others (chmod 600 it)")
     try:
-        with _quiet():
-            key = serialization.load_pem_private_key(data, password=passphrase)
+        key = serialization.load_pem_private_key(data, password=passphrase)
     except TypeError:
         if passphrase is None:
             raise KeyError_(f"key {path} is encrypted: give its passphrase "
@@ -175,8 +162,7 @@ def load_public(path: str) -> bytes:
     if blocks > 1:   # the loader would take the first block alone
         raise KeyError_(f"{path} holds {blocks} PEM blocks: give one public key")
     try:
-        with _quiet():
-            pub = serialization.load_pem_public_key(data)
+        pub = serialization.load_pem_public_key(data)
     except Exception:
         raise KeyError_(f"{path} is not a PEM public key") from None
     if not isinstance(pub, Ed25519PublicKey):

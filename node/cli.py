@@ -481,9 +481,10 @@ def main(argv=None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:   # named by the command's own parser, so the error points at its --help
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    # numpy's overflow / invalid-value warnings would print lines of their own; the
-    # engine checks the logits for NaN itself (NumericFault: one error line).
-    warnings.simplefilter("ignore", RuntimeWarning)
+    # A library's warnings would print lines of their own beside the one error line:
+    # numpy's overflow / invalid-value (the engine checks the logits for NaN itself,
+    # NumericFault), cryptography's deprecation of a DSA key it then refuses as not Ed25519.
+    warnings.simplefilter("ignore")
     # Every command stops as on Ctrl-C (even when started with SIGINT ignored); serve, once
     # it listens, drains on SIGTERM and SIGINT instead (aiohttp's handlers replace these).
     signal.signal(signal.SIGTERM, _interrupted)
