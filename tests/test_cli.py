@@ -47,7 +47,7 @@ def write(path, data: bytes) -> str:
 @pytest.fixture(scope="module")
 def dsa_key(tmp_path_factory):
     """A DSA key pair's PEM files (private, public): an algorithm `cryptography` deprecates,
-    whose loading warns on stderr unless the loader silences it."""
+    whose loading warns on stderr unless the CLI keeps library warnings off it."""
     import warnings
 
     from cryptography.hazmat.primitives.asymmetric import dsa
