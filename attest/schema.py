@@ -106,6 +106,8 @@ def check_payload(p) -> None:
         _check(m, MESSAGE, f"request.messages[{i}]")
     if o["finish_reason"] not in ("stop", "length"):
         raise AttestationError(f"unknown finish reason {o['finish_reason']!r}")
+    if not o["tokens"]:   # every request samples at least one token (max_tokens >= 1)
+        raise AttestationError("output.tokens is empty: an output holds at least one token")
     if len(o["step_chain"]) != len(o["tokens"]):
         raise AttestationError("output.step_chain and output.tokens differ in length")
     if p["engine"]["name"] != "bitexact":

@@ -453,6 +453,17 @@ def test_signed_but_schema_invalid_payloads(art, path, value, message):
         envelope.open_envelope(sign_raw(p, art.private_key()))
 
 
+
+def test_a_signed_output_without_tokens_is_refused(art):
+    """Every request samples at least one token: a signed output with no tokens (and so no
+    step chain) is malformed (docs/attestation.md, output.tokens), refused before any
+    re-execution."""
+    p = copy.deepcopy(art.payload)
+    p["output"]["tokens"], p["output"]["step_chain"] = [], []
+    with pytest.raises(AttestationError, match="^output.tokens is empty: an output holds at least one token$"):
+        envelope.open_envelope(sign_raw(p, art.private_key()))
+
+
 CUDA_DEVICE = {"gpu": "NVIDIA H200", "compute_capability": "9.0", "driver": "580.95.05", "cuda_driver": "13000",
                "cuda_runtime": "13000", "cupy": "14.0.0"}
 

@@ -1038,6 +1038,51 @@ def test_verify_cli_rejects_a_changed_field_under_the_old_signature(art, tmp_pat
     assert "bad signature" in assert_input_error(bx(tmp_path, "verify", "f.bxa"))
 
 
+
+def test_verify_fails_a_signed_output_whose_step_faults(art, tmp_path):
+    """A validly signed claim for a model whose forward pass overflows fp32 (output_norm
+    weights of 1e38: NaN logits at the prefill): `run` refuses such a request (exit 2), so no
+    honest node signed it; verify says FAIL at step 0 (exit 1, one line on stdout), and
+    --json names the step, the attested token and no re-executed one."""
+    from test_tokenizer import _copy_with
+
+    from node.gguf_model import default_model_path
+    path = str(tmp_path / "nan.gguf")
+    _copy_with(default_model_path(), path, fill={"output_norm.weight": 1e38})
+    with open(path, "rb") as f:
+        p = _payload_with(art, ("model", "sha256"), hashlib.sha256(f.read()).hexdigest())
+    write(tmp_path / "n.bxa", envelope.seal(p, art.private_key()))
+    r = bx(tmp_path, "verify", "n.bxa", "--model", path)
+    assert (r.returncode, r.stderr) == (1, ""), (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.splitlines() == ["FAIL: step 0 faulted on re-execution (NaN in logits: the forward pass "
+                                     "faulted); the node signs no such output"]
+    j = bx(tmp_path, "verify", "n.bxa", "--model", path, "--json")
+    rep = json.loads(j.stdout)
+    assert (j.returncode, rep["result"], rep["first_divergent_step"], rep["expected_token"], rep["got_token"]) == (
+        1, "FAIL", 0, p["output"]["tokens"][0], None)
+
+
+def test_verify_names_the_step_that_faults_after_matching_steps(art, monkeypatch):
+    """A fault in the sampler at the third step (logits / temperature past fp32) after two
+    matching steps: FAIL at step 2, with the attested token of that step."""
+    import verify.verifier as vf
+    from node.engine import Engine
+    from node.errors import NumericFault
+    real, calls = Engine.sample, []
+
+    def sample(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise NumericFault("logits / temperature 1e-06 overflow fp32")
+        return real(self, *a, **k)
+    monkeypatch.setattr(Engine, "sample", sample)
+    rep = vf.verify_file(art.bxa)
+    assert (rep.ok, rep.first_divergent_step, rep.expected_token, rep.got_token) == (
+        False, 2, art.payload["output"]["tokens"][2], None)
+    assert rep.message == ("FAIL: step 2 faulted on re-execution (logits / temperature 1e-06 overflow fp32); "
+                           "the node signs no such output")
+
+
 def _resealed_with_changed_token(art, k):
     p = copy.deepcopy(art.payload)
     got = p["output"]["tokens"][k]

@@ -14,7 +14,7 @@ from attest.canonical import MAX_BYTES
 from attest.envelope import open_envelope
 from attest.readfile import read_regular
 from node.engine import Engine
-from node.errors import AttestationError, BitexactError, LimitError, ModelError, RequestError
+from node.errors import AttestationError, BitexactError, LimitError, ModelError, NumericFault, RequestError
 from node.generate import Request, build_request, params_of, steps
 from node.gguf_model import default_model_path, load_model
 from node.provenance import model_record
@@ -47,7 +47,8 @@ def read_attestation(path: str, trusted_key: bytes | None = None) -> dict:
 def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | None = None,
                 device: str = "cpu") -> Report:
     """Verify ``path``. Returns a :class:`Report` (``ok`` False means the output
-    did not reproduce); raises AttestationError/ModelError when the file cannot
+    did not reproduce, also when a re-executed step faults: a NaN in the logits or
+    ``logits / temperature`` past fp32, :class:`NumericFault`); raises AttestationError/ModelError when the file cannot
     be checked at all, and BitexactError when this machine cannot rebuild the
     request within the chat template's limits (node/template.py)."""
     payload = read_attestation(path, trusted_key)
@@ -81,13 +82,17 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
         return Report(False, payload, f"FAIL: the request does not re-encode to the attested record (fields {diff})")
     out = payload["output"]
     want_chain, want_tokens = out["step_chain"], out["tokens"]
-    run = steps(engine, tok, rec)
+    run, i = steps(engine, tok, rec), -1
     try:   # each step as it is produced: at most one step past the claimed chain
         for g in run:
             i = len(g.chain) - 1
             if i < len(want_chain) and g.chain[i] == want_chain[i]:
                 continue
             return _divergence(payload, i, want_tokens[i] if i < len(want_tokens) else None, g.tokens[i])
+    except NumericFault as e:   # the node signs nothing for a request whose step faults (run exits 2)
+        i += 1
+        return Report(False, payload, f"FAIL: step {i} faulted on re-execution ({e}); the node signs no such "
+                                      f"output", i, want_tokens[i] if i < len(want_tokens) else None, None)
     finally:
         run.close()
     res = g.result()
