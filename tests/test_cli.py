@@ -525,6 +525,9 @@ LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
     (["--prompt", "hi", "--attestation", "/no/such/folder/a.bxa"], "not a readable, writable folder"),
     (["--prompt", "hi", "--attestation", "nodir/"], "not a readable, writable folder"),          # a folder's name
     (["--prompt", "hi", "--attestation", "nodir/../a.bxa"], "not a readable, writable folder"),  # the system resolves nodir
+    # a folder that takes no new files even for root, found before the model is opened
+    (["--prompt", "hi", "--attestation", "/proc/a.bxa", "--model", "/no/such/model.gguf"],
+     "not a readable, writable folder"),
     ([], "--prompt"),
 ])
 def test_run_rejects_bad_requests(art, tmp_path, cwd, args, needle):
