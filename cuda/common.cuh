@@ -105,12 +105,15 @@ __device__ __forceinline__ float bx_exp32(float x) {
 // Contract q8 quantization of one 32-element block whose values the warp's
 // lanes hold, element `lane` in lane `lane` (node/reference.py quantize_q8):
 // writes this lane's code *q and, from lane 0, the block's scale *d and the
-// exact sum of its codes *a. Every lane of the warp must call it.
+// exact sum of its codes *a. Every lane of the warp must call it. A block holding
+// a NaN or an infinity gets d = NaN (bits 0x7fc00000, as numpy's) and codes 0.
 __device__ __forceinline__ void bx_quantize_block(float v, int lane, signed char* q, float* d, int* a) {
+    const float inf = __int_as_float(0x7f800000);
     float amax = fabsf(v);
+    if (amax != amax) amax = inf;  // fmaxf would drop a NaN: it counts as +inf
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(BX_FULL, amax, off));
-    float dd = __fdiv_rn(amax, 127.0f);
+    float dd = amax == inf ? __int_as_float(0x7fc00000) : __fdiv_rn(amax, 127.0f);
     int qi = 0;
     if (dd > 0.0f) {
         float t = rintf(__fdiv_rn(v, dd));

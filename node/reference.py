@@ -90,11 +90,15 @@ def quantize_q8(x: np.ndarray):
 
     x fp32 ``[M, K]``. Per block: ``amax = max|x|``, ``d = amax / 127``,
     ``q = clip(rint(x / d), -127, 127)`` (0 when ``d == 0``), ``a = sum(q)``.
+    A block holding a NaN or an infinity gets ``d = NaN`` (bits 0x7fc00000 on
+    every device) and codes 0, so every product it enters is NaN: a fault
+    (docs/determinism.md sections 2 and 5).
     Returns ``(q int8 [M, nb, 32], d fp32 [M, nb], a int32 [M, nb])``.
     """
     m, k = x.shape
     xb = x.reshape(m, k // QK, QK)
-    d = np.max(np.abs(xb), axis=-1) / F32(127.0)
+    amax = np.max(np.abs(xb), axis=-1)   # NaN when the block holds one
+    d = np.where(np.isfinite(amax), amax / F32(127.0), F32(np.nan))
     safe = np.where(d > 0, d, F32(1.0))
     q = np.where(d[..., None] > 0, np.clip(np.rint(xb / safe[..., None]), -127, 127), 0).astype(np.int8)
     return q, d.astype(F32), q.astype(np.int32).sum(axis=-1, dtype=np.int32)

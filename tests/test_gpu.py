@@ -108,6 +108,7 @@ def test_quantize_q8_twin(backends, m):
     x = (rng.standard_normal((m, 512)) * 10 ** rng.uniform(-40, 5, (m, 1))).astype(F32)
     x[0, :32] = 0.0
     x[-1, 32:64] = np.float32(1e-44) * rng.integers(-5, 5, 32)   # subnormals
+    x[-1, 100], x[-1, 200], x[0, 511] = np.nan, np.inf, -np.inf      # d = NaN (0x7fc00000) and codes 0
     want = ref.quantize_q8(x)
     got = [be.to_host(a) for a in be.launch_quantize_q8(be.from_host(x))]
     got[0] = got[0].reshape(want[0].shape)
@@ -216,10 +217,12 @@ def test_elementwise_twins(backends):
     u2 = rng.standard_normal((3, 512)).astype(F32)
     assert_same(ref.lane_major(ref.silu_gate(g2, u2), 4),
                 be.to_host(be.launch_silu_gate(be.from_host(g2), be.from_host(u2), 4)), "silu lane-major")
-    # q8 outputs: the codes quantize_q8 writes for the fp32 result; an all-zero block (d = 0), subnormals
+    # q8 outputs: the codes quantize_q8 writes for the fp32 result; an all-zero block (d = 0), subnormals,
+    # a gate of -inf (SiLU gives NaN there: that block's d is NaN, bits 0x7fc00000, on both)
     from node.backend_cuda import Q8, Q8_OUT
     x[2, 32:64] = 0.0
     g2[1, 64:96] = np.float32(1e-44) * rng.integers(-5, 5, 32)
+    g2[2, 130] = -np.inf
     for what, want, got in (
             ("rms_norm", ref.rms_norm(x, w, 1e-5),
              be.launch_rms_norm(be.from_host(x), be.from_host(w), 1e-5, Q8_OUT)),

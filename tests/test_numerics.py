@@ -113,6 +113,30 @@ def test_quantize_q8():
     assert np.array_equal(a, q.astype(np.int32).sum(-1))
 
 
+
+def test_quantize_q8_gives_a_non_finite_block_a_nan_scale():
+    """A block holding a NaN, +inf or -inf: d = NaN with the bits 0x7fc00000 (what the CUDA
+    twin writes), codes and code sum 0, no numpy warning; the other blocks are as before,
+    and a product of such a block is NaN (a fault)."""
+    import warnings
+    x = (rng.standard_normal((3, 128)) * 5).astype(F32)
+    clean = ref.quantize_q8(x)
+    x[0, 40], x[1, 0], x[2, 127] = np.nan, np.inf, -np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q, d, a = ref.quantize_q8(x)
+    bad = [(0, 1), (1, 0), (2, 3)]
+    for m, b in bad:
+        assert d[m, b].view(np.uint32) == 0x7fc00000 and not q[m, b].any() and a[m, b] == 0
+    keep = np.ones(d.shape, bool)
+    keep[tuple(zip(*bad))] = False
+    for got, want in zip((q, d, a), clean):
+        assert got[keep].tobytes() == want[keep].tobytes()
+    w = ref.RefQuantWeight(np.ones((2, 4, 32), np.int8), np.ones((2, 4), F32), None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert np.isnan(ref.matmul_q((q, d, a), w)).all()
+
 @pytest.mark.parametrize("qtype,bb,be", [("Q8_0", 34, 32), ("Q4_0", 18, 32), ("Q4_1", 20, 32),
                                          ("Q4_K", 144, 256), ("Q6_K", 210, 256)])
 def test_matmul_q_close_to_float64(qtype, bb, be):
