@@ -3,7 +3,7 @@
 // split (256 positions) of one sequence: [n_pages, Hkv, 256, hd] fp32 per layer.
 // Kernels: attention_split, attention_combine (rope.cu stores the keys and
 // values). Launcher with shape checks: node/backend_cuda.py launch_attention.
-// Twin: node/reference.py attention.
+// Twins: node/reference.py attention_split and attention_combine (driven by attention).
 #include "common.cuh"
 
 // One block of 256 threads (8 warps) per (token t, head h, split c); slots

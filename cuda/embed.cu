@@ -1,5 +1,5 @@
 // bitexact: embedding lookup with dequantization (docs/determinism.md section 4).
-// Launcher: node/backend_cuda.py launch_embed. Twin: node/gguf_model.py dequantize_rows.
+// Launcher: node/backend_cuda.py launch_embed. Twin: node/reference.py embed.
 #include "common.cuh"
 
 // out fp32 [M, K] = dequantized rows tokens[m] of W: s * code (+ o).

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import reference as ref
 from .errors import BitexactError
-from .gguf_model import BLOCK_BYTES, FLOAT_TYPES, Model, Tensor, decode_blocks, dequantize_rows, float_values
+from .gguf_model import BLOCK_BYTES, FLOAT_TYPES, Model, Tensor, decode_blocks, float_values
 
 F32 = np.float32
 CACHE_ENV = "BITEXACT_CPU_WEIGHT_CACHE_MB"
@@ -131,7 +131,7 @@ class CpuBackend:
 
     # ---- ops ---------------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
-        return dequantize_rows(self.model.tensors["token_embd.weight"], tokens)
+        return ref.embed(self.model.tensors["token_embd.weight"], tokens)
 
     def rms_norm(self, x, name, feeds=()):
         """RMSNorm of fp32 ``[M, K]``; ``feeds`` (the products reading the result) only matters on the GPU."""

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .fmath import exp32
-from .gguf_model import QK
+from .gguf_model import QK, dequantize_rows
 
 F32 = np.float32
 WARP = 32          # lanes in the fixed reduction tree
@@ -73,6 +73,12 @@ def warp_sum(t: np.ndarray, axis: int = -1) -> np.ndarray:
     """
     return subtree_sum(t, lane_terms(np.shape(t)[axis]), WARP, axis)
 
+
+def embed(t, tokens: np.ndarray) -> np.ndarray:
+    """Embedding lookup (docs/determinism.md section 4; twin of the kernel of that name):
+    rows ``tokens`` int ``[M]`` of the token-embedding :class:`~node.gguf_model.Tensor`
+    ``t`` ``[V, K]``, dequantized (:func:`~node.gguf_model.dequantize_rows`). Returns fp32 ``[M, K]``."""
+    return dequantize_rows(t, tokens)
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm (Zhang & Sennrich 2019): ``(x * (1 / sqrt(warp_sum(x*x)/K + eps))) * w``.
@@ -287,24 +293,32 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, qpos: np.
         pos = qpos[i:i + chunk]
         end = int(pos.max()) + 1
         n_full = (end - 1) // SPLIT_KV                                  # splits before the pass's last one
-        parts = [_split_sums(qc, k_cache, v_cache, pos, scale, c0, n, slots)
+        parts = [attention_split(qc, k_cache, v_cache, pos, scale, c0, n, slots)
                  for c0, n, slots in ((0, n_full, SPLIT_KV), (n_full * SPLIT_KV, 1, end - n_full * SPLIT_KV)) if n]
         m_c, l_c, live = (np.concatenate([p[j] for p in parts], axis=-1) for j in (0, 1, 3))
         o_c = np.concatenate([p[2] for p in parts], axis=-2)
-        m_all = np.max(np.where(live, m_c, F32(-np.inf)), axis=-1)      # [T,Hkv,G]
-        big_l = np.zeros(m_all.shape, F32)
-        big_o = np.zeros(m_all.shape + (hd,), F32)
-        for c in range(m_c.shape[-1]):
-            lv = live[..., c]
-            w = exp32(np.where(lv, m_c[..., c] - m_all, F32(0.0)))
-            big_l = np.where(lv, big_l + l_c[..., c] * w, big_l)
-            big_o = np.where(lv[..., None], big_o + o_c[..., c, :] * w[..., None], big_o)
-        out[i:i + chunk] = (big_o / big_l[..., None]).reshape(-1, h_n, hd)
+        out[i:i + chunk] = attention_combine(m_c, l_c, o_c, live).reshape(-1, h_n, hd)
     return out
 
 
-def _split_sums(qc, k_cache, v_cache, pos, scale, first: int, n: int, slots: int):
-    """Per-split sums of ``n`` KV splits of ``slots`` slots each from position
+def attention_combine(m_c, l_c, o_c, live) -> np.ndarray:
+    """The splits' sums combined in split order (docs/determinism.md section 8, step 5;
+    twin of the kernel of that name): ``m_c``, ``l_c`` fp32 ``[T,Hkv,G,n]``, ``o_c`` fp32
+    ``[T,Hkv,G,n,hd]`` and ``live`` bool ``[T,1,1,n]`` from :func:`attention_split`
+    (a split without a live slot is skipped); returns fp32 ``[T,Hkv,G,hd]``."""
+    m_all = np.max(np.where(live, m_c, F32(-np.inf)), axis=-1)          # [T,Hkv,G]
+    big_l = np.zeros(m_all.shape, F32)
+    big_o = np.zeros(m_all.shape + (o_c.shape[-1],), F32)
+    for c in range(m_c.shape[-1]):
+        lv = live[..., c]
+        w = exp32(np.where(lv, m_c[..., c] - m_all, F32(0.0)))
+        big_l = np.where(lv, big_l + l_c[..., c] * w, big_l)
+        big_o = np.where(lv[..., None], big_o + o_c[..., c, :] * w[..., None], big_o)
+    return big_o / big_l[..., None]
+
+
+def attention_split(qc, k_cache, v_cache, pos, scale, first: int, n: int, slots: int):
+    """Per-split sums (docs/determinism.md section 8; twin of the kernel of that name) of ``n`` KV splits of ``slots`` slots each from position
     ``first`` (a split boundary; ``slots`` <= :data:`SPLIT_KV`) for the queries
     ``qc`` fp32 ``[T,Hkv,G,1,1,hd]`` at positions ``pos`` ``[T]``: returns
     ``m_c`` ``[T,Hkv,G,n]``, ``l_c`` ``[T,Hkv,G,n]``, ``o_c`` ``[T,Hkv,G,n,hd]``

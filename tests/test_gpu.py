@@ -16,7 +16,7 @@ import golden
 from node import reference as ref
 from node.backend_cuda import x_width
 from node.engine import Engine
-from node.gguf_model import decode_blocks, default_model_path, dequantize_rows, float_values, load_model
+from node.gguf_model import decode_blocks, default_model_path, float_values, load_model
 from node.synth import write_model
 
 pytestmark = pytest.mark.gpu
@@ -200,7 +200,7 @@ def test_matmul_f_narrow_chunks(tmp_path, qtype):
 def test_embed_twin(models, backends, qtype):
     be, t = backends[qtype], models[qtype].tensors["token_embd.weight"]
     toks = np.array([0, 5, 299, 17, 5], np.int64)
-    assert_same(dequantize_rows(t, toks), be.to_host(be.launch_embed(toks)), "embed")
+    assert_same(ref.embed(t, toks), be.to_host(be.launch_embed(toks)), "embed")
 
 
 def test_elementwise_twins(backends):

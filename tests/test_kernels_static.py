@@ -52,6 +52,24 @@ def test_every_kernel_file_is_loaded():
     assert on_disk == sorted(KERNEL_FILES + (STEP_FILE,))
 
 
+
+def test_every_kernel_has_a_numpy_twin_of_its_name():
+    """docs/determinism.md: each kernel in cuda/ has a numpy twin of the same name in the
+    reference engine (node/reference.py, node/sampler.py); `step` fuses the per-op kernels
+    and has their twins, and argmax's twin is numpy's."""
+    import node.reference
+    import node.sampler
+    kernels = set()
+    for name in os.listdir(CUDA):
+        if name.endswith(".cu"):
+            with open(os.path.join(CUDA, name)) as f:
+                src = re.sub(r"//[^\n]*|/\*.*?\*/", "", f.read(), flags=re.S)
+            kernels |= set(re.findall(r'extern\s+"C"\s+__global__\s+void\s+(?:__\w+__\s*\([^)]*\)\s*)*(\w+)\s*\(', src))
+    assert {"step", "argmax", "matmul_q", "matmul_rowint", "attention_split"} <= kernels, sorted(kernels)
+    missing = sorted(k for k in kernels - {"step", "argmax"}
+                     if not any(callable(getattr(m, k, None)) for m in (node.reference, node.sampler)))
+    assert not missing, f"kernels without a numpy twin of their name: {missing}"
+
 def _define(name: str, file: str) -> int:
     """The integer a kernel source #defines (the default of an #ifndef-guarded tile constant)."""
     with open(os.path.join(CUDA, file)) as f:
