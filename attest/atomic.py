@@ -29,7 +29,6 @@ def not_replaceable(path: str) -> str | None:
     return "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
 
 
-
 def takes_new_files(folder: str) -> bool:
     """Whether a file can be made in ``folder`` now, which :func:`atomic_write` needs:
     one is created there and removed. ``os.access`` alone says yes to root for a
@@ -41,6 +40,7 @@ def takes_new_files(folder: str) -> bool:
     os.close(fd)
     os.unlink(tmp)
     return True
+
 
 def atomic_write(path: str, data: bytes, mode: int = 0o644, overwrite: bool = True) -> None:
     """Write ``data`` to ``path`` so readers see either nothing or all of it.

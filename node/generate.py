@@ -150,8 +150,8 @@ def build_request(req: Request, tok: Tokenizer, n_ctx: int) -> dict:
     param = "prompt" if mode == "prompt" else "messages"
     least = tok.min_tokens(text, special=mode == "chat")
     if least >= n_ctx:     # refused before tokenizing, whose cost grows with the text
-        raise RequestError(f"the prompt is at least {least} token{'' if least == 1 else 's'}; the context holds {n_ctx} (one must stay free)",
-                           param=param, code="context_length_exceeded")
+        raise RequestError(f"the prompt is at least {least} token{'' if least == 1 else 's'}; the context holds "
+                           f"{n_ctx} (one must stay free)", param=param, code="context_length_exceeded")
     ids = tok.encode(text, special=mode == "chat")
     if not ids:  # e.g. characters the model's vocabulary drops
         what = "prompt" if mode == "prompt" else "chat template's rendering of the messages"

@@ -80,6 +80,7 @@ def embed(t, tokens: np.ndarray) -> np.ndarray:
     ``t`` ``[V, K]``, dequantized (:func:`~node.gguf_model.dequantize_rows`). Returns fp32 ``[M, K]``."""
     return dequantize_rows(t, tokens)
 
+
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm (Zhang & Sennrich 2019): ``(x * (1 / sqrt(warp_sum(x*x)/K + eps))) * w``.
 
@@ -318,9 +319,9 @@ def attention_combine(m_c, l_c, o_c, live) -> np.ndarray:
 
 
 def attention_split(qc, k_cache, v_cache, pos, scale, first: int, n: int, slots: int):
-    """Per-split sums (docs/determinism.md section 8; twin of the kernel of that name) of ``n`` KV splits of ``slots`` slots each from position
-    ``first`` (a split boundary; ``slots`` <= :data:`SPLIT_KV`) for the queries
-    ``qc`` fp32 ``[T,Hkv,G,1,1,hd]`` at positions ``pos`` ``[T]``: returns
+    """Per-split sums (docs/determinism.md section 8; twin of the kernel of that name)
+    of ``n`` KV splits of ``slots`` slots each from position ``first`` (a split
+    boundary; ``slots`` <= :data:`SPLIT_KV`) for the queries ``qc`` fp32 ``[T,Hkv,G,1,1,hd]`` at positions ``pos`` ``[T]``: returns
     ``m_c`` ``[T,Hkv,G,n]``, ``l_c`` ``[T,Hkv,G,n]``, ``o_c`` ``[T,Hkv,G,n,hd]``
     and ``live`` bool ``[T,1,1,n]`` (the query has an unmasked slot in the split)."""
     hkv, hd = k_cache.shape[0], k_cache.shape[2]

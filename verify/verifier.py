@@ -48,9 +48,10 @@ def verify_file(path: str, model_path: str | None = None, trusted_key: bytes | N
                 device: str = "cpu") -> Report:
     """Verify ``path``. Returns a :class:`Report` (``ok`` False means the output
     did not reproduce, also when a re-executed step faults: a NaN in the logits or
-    ``logits / temperature`` past fp32, :class:`NumericFault`); raises AttestationError/ModelError when the file cannot
-    be checked at all, and BitexactError when this machine cannot rebuild the
-    request within the chat template's limits (node/template.py)."""
+    ``logits / temperature`` past fp32, :class:`NumericFault`); raises
+    AttestationError/ModelError when the file cannot be checked at all, and
+    BitexactError when this machine cannot rebuild the request within the chat
+    template's limits (node/template.py)."""
     payload = read_attestation(path, trusted_key)
     model = load_model(default_model_path() if model_path is None else model_path)
     want = payload["model"]["sha256"]
