@@ -30,10 +30,11 @@ def not_replaceable(path: str) -> str | None:
 
 
 def takes_new_files(folder: str) -> bool:
-    """Whether a file can be made in ``folder`` now, which :func:`atomic_write` needs:
-    one is created there and removed. ``os.access`` alone says yes to root for a
-    folder whose file system takes no new files (/proc, /sys)."""
+    """Whether :func:`atomic_write` can write in ``folder`` now: it opens for reading
+    and a file is created there (and removed). ``os.access`` would say yes to root
+    for a folder whose file system takes no new files (/proc, /sys)."""
     try:
+        os.close(os.open(folder, os.O_RDONLY | os.O_DIRECTORY))
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
     except OSError:
         return False

@@ -216,8 +216,7 @@ def cmd_run(args) -> int:
         raise RequestError("--attestation must not be empty")
     # the folder atomic_write writes in (as the system resolves it), checked before generating, not after
     folder = os.path.dirname(args.attestation or "") or os.getcwd()
-    if not (os.path.isdir(folder) and os.access(folder, os.R_OK | os.W_OK | os.X_OK)   # atomic_write reads it too
-            and takes_new_files(folder)):
+    if not takes_new_files(folder):
         raise RequestError(f"cannot write the attestation: {folder} is not a readable, writable folder")
     if args.attestation:
         _check_replaceable(args.attestation, args)

@@ -453,7 +453,6 @@ def test_signed_but_schema_invalid_payloads(art, path, value, message):
         envelope.open_envelope(sign_raw(p, art.private_key()))
 
 
-
 def test_a_signed_output_without_tokens_is_refused(art):
     """Every request samples at least one token: a signed output with no tokens (and so no
     step chain) is malformed (docs/attestation.md, output.tokens), refused before any

@@ -1041,7 +1041,6 @@ def test_verify_cli_rejects_a_changed_field_under_the_old_signature(art, tmp_pat
     assert "bad signature" in assert_input_error(bx(tmp_path, "verify", "f.bxa"))
 
 
-
 def test_verify_fails_a_signed_output_whose_step_faults(art, tmp_path):
     """A validly signed claim for a model whose forward pass overflows fp32 (output_norm
     weights of 1e38: NaN logits at the prefill): `run` refuses such a request (exit 2), so no

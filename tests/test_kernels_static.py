@@ -52,7 +52,6 @@ def test_every_kernel_file_is_loaded():
     assert on_disk == sorted(KERNEL_FILES + (STEP_FILE,))
 
 
-
 def test_every_kernel_has_a_numpy_twin_of_its_name():
     """docs/determinism.md: each kernel in cuda/ has a numpy twin of the same name in the
     reference engine (node/reference.py, node/sampler.py); `step` fuses the per-op kernels
@@ -69,6 +68,7 @@ def test_every_kernel_has_a_numpy_twin_of_its_name():
     missing = sorted(k for k in kernels - {"step", "argmax"}
                      if not any(callable(getattr(m, k, None)) for m in (node.reference, node.sampler)))
     assert not missing, f"kernels without a numpy twin of their name: {missing}"
+
 
 def _define(name: str, file: str) -> int:
     """The integer a kernel source #defines (the default of an #ifndef-guarded tile constant)."""

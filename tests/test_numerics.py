@@ -113,7 +113,6 @@ def test_quantize_q8():
     assert np.array_equal(a, q.astype(np.int32).sum(-1))
 
 
-
 def test_quantize_q8_gives_a_non_finite_block_a_nan_scale():
     """A block holding a NaN, +inf or -inf: d = NaN with the bits 0x7fc00000 (what the CUDA
     twin writes), codes and code sum 0, no numpy warning; the other blocks are as before,
@@ -136,6 +135,7 @@ def test_quantize_q8_gives_a_non_finite_block_a_nan_scale():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert np.isnan(ref.matmul_q((q, d, a), w)).all()
+
 
 @pytest.mark.parametrize("qtype,bb,be", [("Q8_0", 34, 32), ("Q4_0", 18, 32), ("Q4_1", 20, 32),
                                          ("Q4_K", 144, 256), ("Q6_K", 210, 256)])
